@@ -1,0 +1,231 @@
+"""``assert_equivalent``: does a pipelined run compute what the eager model computes?
+
+    report = pc.assert_equivalent(model, (x,), split_spec=spec, n_microbatches=4,
+                                  runner="reference")
+
+Runs the eager model (per micro-batch, as a pipeline sees it) in the check's
+dtype and an fp64 copy as ground truth, runs the runner on the same job, and
+compares every output leaf, the loss, every parameter gradient and the
+gradients of inputs that require grad. Raises :class:`EquivalenceError` with
+the failure table, or returns the :class:`Report`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from pipecheck._diagnose import diagnose_grad, diagnose_output
+from pipecheck._errors import EngineError, EquivalenceError, InputError, NonFiniteError, PipecheckError
+from pipecheck._job import Job, LossFn, ModelFactory, cast_inputs
+from pipecheck._microbatch import merge_microbatches, split_microbatches
+from pipecheck._numerics import Row, ToleranceLike, check_tolerance, compare, nonfinite
+from pipecheck._pipe import Pipe
+from pipecheck._reference import DetachExecutor
+from pipecheck._report import Report
+from pipecheck._result import StepResult
+from pipecheck._runners import resolve_runner
+from pipecheck._trace import SplitSpec
+from pipecheck.losses import check_scalar_loss, projection_loss, projection_target
+from pipecheck.policies import Policy
+
+
+@dataclass
+class EagerRun:
+    result: StepResult
+    seconds: float
+
+
+def eager_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn | None,
+               target: Any, n_microbatches: int, check_grads: bool) -> tuple[StepResult, Any]:
+    """The model run eagerly on each micro-batch; loss = mean of per-micro-batch losses.
+
+    Returns the result and the target used (the projection weights when ``loss_fn`` is None).
+    """
+    chunks = split_microbatches((args, kwargs), n_microbatches)
+    outputs = [model(*a, **k) for a, k in chunks]
+    merged = merge_microbatches(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, outputs))
+    if loss_fn is None:
+        loss_fn, target = projection_loss, projection_target(merged)
+    targets = split_microbatches(target, n_microbatches, "target") if target is not None else [None] * n_microbatches
+    losses = [check_scalar_loss(loss_fn(out, tgt), loss_fn) for out, tgt in zip(outputs, targets)]
+    loss = torch.stack(losses).mean()
+    grads: dict[str, torch.Tensor] = {}
+    input_grads: dict[str, torch.Tensor] = {}
+    if check_grads:
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named_inputs = _grad_inputs(model, args, kwargs)
+        wrt = [p for _, p in params] + [t for _, t in named_inputs]
+        if wrt and loss.requires_grad:
+            got = torch.autograd.grad(loss, wrt, allow_unused=True)
+            grads = {n: g for (n, _), g in zip(params, got) if g is not None}
+            input_grads = {n: g for (n, _), g in zip(named_inputs, got[len(params):]) if g is not None}
+    return StepResult(merged, loss.detach(), grads, input_grads), target
+
+
+def _grad_inputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    import inspect
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return [(name, value) for name, value in bound.arguments.items()
+            if isinstance(value, torch.Tensor) and value.requires_grad]
+
+
+def _to64(value: Any) -> Any:
+    def cast(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.detach().to(torch.float64).requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return pytree.tree_map(cast, value)
+
+
+def _check_nonfinite(eager: StepResult) -> None:
+    bad = [name for name, value in _named_tensors(eager) if isinstance(value, torch.Tensor) and nonfinite(value)]
+    if bad:
+        raise NonFiniteError(
+            f"the eager model itself produced NaN/Inf in: {', '.join(bad)}. No comparison is meaningful. "
+            "Fix: check the model and inputs (overflow in float16? log of zero?) before checking the pipeline."
+        )
+
+
+def _named_tensors(result: StepResult) -> list[tuple[str, Any]]:
+    named = [(_output_name(path), leaf) for path, leaf in pytree.tree_flatten_with_path(result.outputs)[0]]
+    if result.loss is not None:
+        named.append(("loss", result.loss))
+    named += [(f"grad {fqn}", g) for fqn, g in result.grads.items()]
+    named += [(f"grad input {name}", g) for name, g in result.input_grads.items()]
+    return named
+
+
+def _output_name(path: tuple[Any, ...]) -> str:
+    return "output" + pytree.keystr(path)
+
+
+def assert_equivalent(
+    model: nn.Module | Any, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
+    split_spec: SplitSpec | None = None, policy: Policy | None = None, loss_fn: LossFn | None = None,
+    target: Any = None, n_microbatches: int = 1, schedule: str = "1f1b", world_size: int | None = None,
+    runner: Any = "distributed", device: str | None = None, dtype: torch.dtype | None = None,
+    tolerance: ToleranceLike = "auto", check_grads: bool = True, seed: int = 0, tracer: str = "fx",
+    stages_per_rank: int = 1, timeout: float | None = None, options: Mapping[str, Any] | None = None,
+) -> Report:
+    """Check that ``runner`` computes the eager model's outputs, loss and gradients.
+
+        pc.assert_equivalent(model, (x,), split_spec={"layers.2": pc.SplitPoint.BEGINNING},
+                             n_microbatches=4, runner="reference")
+
+    Raises :class:`pipecheck.EquivalenceError` (an AssertionError) with a table naming
+    every failing tensor, or returns the :class:`pipecheck.Report`.
+    """
+    tolerance = check_tolerance(tolerance)
+    if loss_fn is None and target is not None:
+        raise InputError("target was given without loss_fn. Fix: pass loss_fn=..., or drop target to use "
+                         "the default random-projection loss.")
+    runner_name, run = resolve_runner(runner)
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    kwargs = dict(kwargs or {})
+    factory = ModelFactory(model, dtype=dtype, device=device, seed=seed)
+    args, kwargs, target = (cast_inputs(v, dtype, device) for v in (args, kwargs, target))
+    timings: dict[str, float] = {}
+
+    started = time.perf_counter()
+    eager, target_used = eager_step(factory(), args, kwargs, loss_fn, target, n_microbatches, check_grads)
+    timings["eager_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    ref64, _ = eager_step(factory().to(torch.float64), _to64(args), _to64(kwargs), loss_fn or projection_loss,
+                          _to64(target_used), n_microbatches, check_grads)
+    timings["fp64_s"] = time.perf_counter() - started
+    _check_nonfinite(eager)
+
+    job = Job(model=factory, args=args, kwargs=kwargs, split_spec=split_spec, policy=policy, tracer=tracer,
+              loss_fn=loss_fn or projection_loss, target=target_used, n_microbatches=n_microbatches,
+              schedule=schedule, world_size=world_size, stages_per_rank=stages_per_rank,
+              device=str(device or "cpu"), timeout=timeout, options=dict(options or {}))
+    pipe = job.split()  # for stage attribution and hints; the splitter is cheap
+    started = time.perf_counter()
+    try:
+        result = run(job)
+    except PipecheckError:
+        raise
+    except Exception as err:
+        raise EngineError(f"runner {runner_name!r} failed to run the job: {type(err).__name__}: {err}") from err
+    timings["runner_s"] = time.perf_counter() - started
+    if not isinstance(result, StepResult):
+        raise EngineError(f"runner {runner_name!r} returned {type(result).__name__}; a runner must return "
+                          "pc.StepResult(outputs, loss, grads).")
+
+    rows, hints = _compare_all(pipe, job, result, eager, ref64, tolerance, check_grads)
+    report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
+                    str(eager_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings)
+    if not report.ok:
+        raise EquivalenceError(report.failure_text(), report)
+    return report
+
+
+def eager_dtype(result: StepResult) -> torch.dtype:
+    for leaf in pytree.tree_leaves(result.outputs):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.dtype
+    return torch.float32
+
+
+def _compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
+                 tolerance: ToleranceLike, check_grads: bool) -> tuple[list[Row], dict[str, str]]:
+    rows: list[Row] = []
+    hints: dict[str, str] = {}
+    last = (pipe.num_stages - 1,)
+    eager_out, out_spec = pytree.tree_flatten_with_path(eager.outputs)
+    ref_out = pytree.tree_leaves(ref64.outputs)
+    test_out = _leaves_like(result.outputs, out_spec)
+    for i, ((path, e_leaf), r_leaf) in enumerate(zip(eager_out, ref_out)):
+        source = pipe.output_sources[i] if i < len(pipe.output_sources) else None
+        stages = (source.stage,) if source is not None and source.stage is not None else last
+        row = compare(_output_name(path), test_out[i] if test_out else None, e_leaf, r_leaf, tolerance, stages)
+        rows.append(row)
+        if not row.ok and row.numel and isinstance(test_out[i], torch.Tensor):
+            hint = diagnose_output(test_out[i], r_leaf, job.n_microbatches)
+            if hint:
+                hints[row.name] = hint
+    if not check_grads:
+        return rows, hints
+    rows.append(compare("loss", result.loss, eager.loss, ref64.loss, tolerance, last))
+    shares_cache: list[dict[str, torch.Tensor]] | None = None
+    for fqn, e_grad in eager.grads.items():
+        row = compare(f"grad {fqn}", result.grads.get(fqn), e_grad, ref64.grads[fqn], tolerance,
+                      pipe.param_stages(fqn))
+        rows.append(row)
+        test = result.grads.get(fqn)
+        if not row.ok and row.numel and isinstance(test, torch.Tensor):
+            shares: list[tuple[int, torch.Tensor]] = []
+            if len(pipe.param_stages(fqn)) > 1:
+                if shares_cache is None:
+                    shares_cache = _stage_shares(pipe, job)
+                shares = [(s, shares_cache[s][fqn]) for s in pipe.param_stages(fqn) if fqn in shares_cache[s]]
+            hint = diagnose_grad(test, ref64.grads[fqn], job.n_microbatches, shares)
+            if hint:
+                hints[row.name] = hint
+    for name, e_grad in eager.input_grads.items():
+        consumers = tuple(e.dst for e in pipe.edges if e.src is None and e.name == name)
+        rows.append(compare(f"grad input {name}", result.input_grads.get(name), e_grad,
+                            ref64.input_grads[name], tolerance, consumers))
+    return rows, hints
+
+
+def _leaves_like(outputs: Any, spec: pytree.TreeSpec) -> list[Any]:
+    """The runner's output leaves in the eager structure; [] when the structure differs."""
+    leaves, test_spec = pytree.tree_flatten(outputs)
+    return leaves if test_spec == spec else []
+
+
+def _stage_shares(pipe: Pipe, job: Job) -> list[dict[str, torch.Tensor]]:
+    """Each stage's own share of every parameter gradient, from the reference runner."""
+    result = DetachExecutor(job.split()).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
+                                              n_microbatches=job.n_microbatches)
+    return result.stage_grads

@@ -1,0 +1,25 @@
+"""What a runner returns for one training step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepResult:
+    """One step of a model: merged outputs, the loss, and full gradients by original FQN.
+
+    ``grads`` maps each parameter FQN (as ``model.named_parameters()`` names it)
+    to its full gradient; ``input_grads`` maps model input names to gradients
+    for inputs that require grad.
+    """
+
+    outputs: Any
+    loss: torch.Tensor | None
+    grads: dict[str, torch.Tensor]
+    input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    stage_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # optional: per-stage shares

@@ -1,0 +1,121 @@
+"""Forward and backward of one micro-batch of one stage, shared by every pipecheck runner.
+
+    fwd = stage_forward(stage, values)                # values: one per stage.inputs
+    in_grads, p_grads = stage_backward(stage, fwd, output_grads)
+
+Each stage is its own autograd graph: every tensor crossing into a stage is
+detached (keeping ``requires_grad``), and its gradient comes back out of
+``stage_backward`` for the producer. The reference runner and the distributed
+runtime both call these functions, so they agree bit for bit wherever the
+summation order is the same.
+
+Gradients of a (possibly nested) value are a list aligned with
+``tree_leaves(value)``, ``None`` where a leaf has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from pipecheck._pipe import Stage
+
+LeafGrads = list[torch.Tensor | None]
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
+
+def detach_value(value: Any) -> Any:
+    """Cut a value's autograd history, keeping which leaves require grad."""
+    return pytree.tree_map(_detach, value)
+
+
+def trainable_params(stage: Stage) -> list[tuple[str, torch.nn.Parameter]]:
+    """The stage's parameters that need gradients, once each, by canonical FQN."""
+    seen: dict[str, torch.nn.Parameter] = {}
+    for local, param in stage.module.named_parameters(remove_duplicate=False):
+        fqn = stage.local_to_fqn.get(local)
+        if fqn is not None and param.requires_grad and fqn not in seen:
+            seen[fqn] = param
+    return list(seen.items())
+
+
+@dataclass
+class StageForward:
+    """What one stage's forward of one micro-batch leaves for its backward."""
+
+    inputs: list[Any]
+    outputs: tuple[Any, ...]
+
+
+def stage_forward(stage: Stage, values: Sequence[Any]) -> StageForward:
+    inputs = [detach_value(v) for v in values]
+    outputs = stage.module(*inputs)
+    return StageForward(inputs, tuple(outputs))
+
+
+def _grad_leaves(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
+
+def stage_backward(stage: Stage, fwd: StageForward, output_grads: Sequence[LeafGrads | None] | None = None,
+                   loss: torch.Tensor | None = None, loss_scale: float = 1.0
+                   ) -> tuple[list[LeafGrads], dict[str, torch.Tensor]]:
+    """Backward of one micro-batch: from ``loss`` (last stage, seeded with ``loss_scale``)
+    or from the gradients of this stage's outputs. Returns per-input leaf gradients and
+    parameter gradients by FQN."""
+    roots: list[torch.Tensor] = []
+    seeds: list[torch.Tensor] = []
+    if loss is not None and loss.requires_grad:
+        roots.append(loss)
+        seeds.append(torch.full_like(loss, loss_scale))
+    for value, grads in zip(fwd.outputs, output_grads or ()):
+        if grads is None:
+            continue
+        for leaf, grad in zip(pytree.tree_leaves(value), grads):
+            if grad is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                roots.append(leaf)
+                seeds.append(grad)
+    params = trainable_params(stage)
+    input_leaves = [_grad_leaves(v) for v in fwd.inputs]
+    wrt = [leaf for leaves in input_leaves for leaf in leaves] + [p for _, p in params]
+    if not roots or not wrt:
+        return [_none_grads(v) for v in fwd.inputs], {}
+    grads = list(torch.autograd.grad(roots, wrt, seeds, allow_unused=True))
+    param_grads = {fqn: g for (fqn, _), g in zip(params, grads[len(wrt) - len(params):]) if g is not None}
+    position = 0
+    input_grads: list[LeafGrads] = []
+    for value in fwd.inputs:
+        leaf_grads: LeafGrads = []
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf_grads.append(grads[position])
+                position += 1
+            else:
+                leaf_grads.append(None)
+        input_grads.append(leaf_grads)
+    return input_grads, param_grads
+
+
+def _none_grads(value: Any) -> LeafGrads:
+    return [None] * len(pytree.tree_leaves(value))
+
+
+def add_leaf_grads(total: LeafGrads | None, more: LeafGrads) -> LeafGrads:
+    """Accumulate gradients of one value from one more consumer (in consumer order)."""
+    if total is None:
+        return list(more)
+    return [b if a is None else a if b is None else a + b for a, b in zip(total, more)]
+
+
+def add_param_grads(total: dict[str, torch.Tensor], more: dict[str, torch.Tensor]) -> None:
+    for fqn, grad in more.items():
+        total[fqn] = total[fqn] + grad if fqn in total else grad

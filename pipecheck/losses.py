@@ -1,0 +1,62 @@
+"""Losses for checks. The default is a seeded random projection of every output element.
+
+    target = projection_target(eager_outputs, seed=0)
+    loss = projection_loss(outputs, target)
+
+Never ``.sum()``: a sum gives the same gradient under a permutation of
+micro-batches and hides real bugs. The projection weights form a *target*
+with the outputs' full-batch shapes, so they are split into micro-batches like
+any target, and each micro-batch sees different weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from pipecheck._errors import LossError
+
+
+def _projectable(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+
+
+def projection_target(outputs: Any, seed: int = 0) -> Any:
+    """Random weights (std 1/sqrt(numel)) shaped like each floating output leaf; 0 elsewhere."""
+    generator = torch.Generator().manual_seed(seed)
+    leaves, spec = pytree.tree_flatten(outputs)
+    weights = []
+    for leaf in leaves:
+        if _projectable(leaf):
+            w = torch.randn(leaf.shape, generator=generator, dtype=torch.float64)
+            weights.append((w / max(leaf.numel(), 1) ** 0.5).to(device=leaf.device, dtype=leaf.dtype))
+        else:
+            weights.append(torch.zeros(()))
+    return pytree.tree_unflatten(weights, spec)
+
+
+def projection_loss(outputs: Any, target: Any) -> torch.Tensor:
+    """Sum over floating output leaves of ``(out * w).sum()``; ``target`` from projection_target."""
+    out_leaves = pytree.tree_leaves(outputs)
+    weight_leaves = pytree.tree_leaves(target)
+    if len(out_leaves) != len(weight_leaves):
+        raise LossError("projection_loss: the target does not match the outputs' structure. "
+                        "Fix: build it with projection_target(outputs) on the same model.")
+    terms = [(o * w).sum() for o, w in zip(out_leaves, weight_leaves) if _projectable(o)]
+    if not terms:
+        raise LossError("the model has no floating-point output to take gradients of. "
+                        "Fix: pass loss_fn=..., or check_grads=False.")
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def check_scalar_loss(loss: Any, loss_fn: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        seen = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise LossError(f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} returned {seen}; it must return a "
+                        "scalar tensor. Fix: reduce it (e.g. reduction='mean' or .mean()).")
+    return loss.reshape(())
