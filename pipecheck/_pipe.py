@@ -236,6 +236,7 @@ def _build_stage(index: int, nodes: list[fx.Node], stage_of: dict[fx.Node, int],
 
 def partition(traced: Traced, model: nn.Module) -> Pipe:
     canonical = {id(p): name for name, p in model.named_parameters()}
+    order = {name: i for i, name in enumerate(canonical.values())}
     canonical_buffers = {id(b): name for name, b in model.named_buffers()}
     stage_of, n_stages = _assign_stages(traced.graph)
     output_node = next(n for n in traced.graph.nodes if n.op == "output")
@@ -257,7 +258,7 @@ def partition(traced: Traced, model: nn.Module) -> Pipe:
         module, sources = _build_stage(index, nodes, stage_of, returns, traced)
         local = dict(module.named_parameters(remove_duplicate=False))
         local_to_fqn = {name: canonical[id(p)] for name, p in local.items() if id(p) in canonical}
-        params = tuple(dict.fromkeys(local_to_fqn.values()))
+        params = tuple(sorted(set(local_to_fqn.values()), key=order.__getitem__))
         buffers = tuple(dict.fromkeys(canonical_buffers[id(b)] for _, b in module.named_buffers(remove_duplicate=False)
                                       if id(b) in canonical_buffers))
         outputs = tuple(v.name for v in returns if isinstance(v, fx.Node)) if index < n_stages - 1 else ()
