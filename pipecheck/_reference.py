@@ -30,7 +30,7 @@ from pipecheck._stage_step import (
     stage_backward,
     stage_forward,
 )
-from pipecheck.losses import check_scalar_loss, projection_loss, projection_target
+from pipecheck.losses import check_scalar_loss, default_microbatch_target, projection_loss
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -87,8 +87,12 @@ class DetachExecutor:
         outputs = [pytree.tree_unflatten(list(f[-1].outputs), self.pipe.out_spec) for f in forwards]
         merged = merge_microbatches([pytree.tree_map(_detached, o) for o in outputs])
         if loss_fn is None:
-            loss_fn, target = projection_loss, projection_target(merged)
-        targets = split_microbatches(target, n_microbatches, "target") if target is not None else [None] * n_microbatches
+            loss_fn = projection_loss
+            targets = [default_microbatch_target(out, m) for m, out in enumerate(outputs)]
+        elif target is not None:
+            targets = split_microbatches(target, n_microbatches, "target")
+        else:
+            targets = [None] * n_microbatches
         losses = [check_scalar_loss(loss_fn(out, tgt), loss_fn) for out, tgt in zip(outputs, targets)]
         param_grads: list[dict[str, torch.Tensor]] = [{} for _ in self.pipe.stages]
         input_grads: list[dict[str, LeafGrads]] = []

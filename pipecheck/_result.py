@@ -23,3 +23,4 @@ class StepResult:
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     stage_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # optional: per-stage shares
+    events: list[Any] = field(default_factory=list)  # optional: timeline events (pipecheck._timeline.Event)

@@ -60,3 +60,15 @@ def check_scalar_loss(loss: Any, loss_fn: Any) -> torch.Tensor:
         raise LossError(f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} returned {seen}; it must return a "
                         "scalar tensor. Fix: reduce it (e.g. reduction='mean' or .mean()).")
     return loss.reshape(())
+
+
+DEFAULT_SEED = 0x5EED
+
+
+def default_microbatch_target(outputs_mb: Any, microbatch: int) -> Any:
+    """Projection weights for one micro-batch when a runner is used without loss_fn.
+
+    Seeded by the micro-batch index, so micro-batches see different weights.
+    (``assert_equivalent`` always passes full-batch weights as an explicit target.)
+    """
+    return projection_target(outputs_mb, seed=DEFAULT_SEED + microbatch)

@@ -1,0 +1,145 @@
+"""Point-to-point transfer of stage values and their gradients between ranks.
+
+    link = Links(pipe, stage_to_rank, ctx)
+    link.send_value(producer, name, consumer, mb, value)    # forward: after F
+    value = link.recv_value(producer, name, consumer, mb)   # forward: before F
+    link.send_grads(...); link.recv_grads(...)              # backward, the other way
+
+Every message has its own tag (edge, micro-batch, direction, leaf), so
+messages never match the wrong receive whatever order ranks run in. A value's
+layout (pytree structure, shapes, dtypes, requires_grad, non-tensor leaves) is
+sent once, with micro-batch 0, and cached on both sides; again with every
+micro-batch only when the value holds non-tensor leaves. Gradients need no
+layout: the producer knows its own outputs' shapes, and every leaf that
+requires grad gets a tensor (zeros where the consumer produced none).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from pipecheck._errors import EngineError
+from pipecheck._pipe import Pipe
+from pipecheck._stage_step import LeafGrads
+
+LEAF_SLOTS = 64  # tags reserved per message: 0 = layout size, 1 = layout bytes, 2.. = tensor leaves
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How to rebuild a value from its received tensor leaves."""
+
+    spec: str  # pytree.treespec_dumps: pickling a TreeSpec itself is deprecated
+    leaves: tuple[Any, ...]  # (shape, dtype, requires_grad) for tensors, else the value itself
+    is_tensor: tuple[bool, ...]
+
+    @property
+    def resend(self) -> bool:
+        return not all(self.is_tensor)
+
+
+def layout_of(value: Any) -> Layout:
+    leaves, spec = pytree.tree_flatten(value)
+    described = tuple((tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else v
+                      for v in leaves)
+    return Layout(pytree.treespec_dumps(spec), described, tuple(isinstance(v, torch.Tensor) for v in leaves))
+
+
+class Links:
+    """The p2p channels of one rank, for one step."""
+
+    def __init__(self, pipe: Pipe, stage_to_rank: tuple[int, ...], device: torch.device,
+                 comm_device: torch.device) -> None:
+        self.stage_to_rank = stage_to_rank
+        self.device = device
+        self.comm_device = comm_device
+        edges = sorted({(e.src, e.name, e.dst) for e in pipe.edges if e.src is not None},
+                       key=lambda e: (e[0], e[2], e[1]))
+        self.edge_ids = {edge: i for i, edge in enumerate(edges)}
+        self.layouts: dict[int, Layout] = {}
+        self.pending: list[Any] = []
+
+    def _tag(self, edge: tuple[int, str, int], mb: int, backward: bool, slot: int) -> int:
+        eid = self.edge_ids[edge]
+        return ((mb * len(self.edge_ids) + eid) * 2 + int(backward)) * LEAF_SLOTS + slot
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self.pending.append(dist.isend(tensor.detach().to(self.comm_device).contiguous(), dst, tag=tag))
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=self.comm_device)
+        dist.recv(buffer, src, tag=tag)
+        return buffer.to(self.device)
+
+    def send_value(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> None:
+        edge = (producer, name, consumer)
+        dst = self.stage_to_rank[consumer]
+        tensors = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+        if len(tensors) > LEAF_SLOTS - 2:
+            raise EngineError(f"value {name!r} of stage {producer} has {len(tensors)} tensors; "
+                              f"at most {LEAF_SLOTS - 2} can cross a stage boundary as one value.")
+        eid = self.edge_ids[edge]
+        if mb == 0 or self.layouts[eid].resend:
+            layout = layout_of(value)
+            self.layouts[eid] = layout
+            payload = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
+            self._isend(torch.tensor([payload.numel()], dtype=torch.int64), dst, self._tag(edge, mb, False, 0))
+            self._isend(payload, dst, self._tag(edge, mb, False, 1))
+        for i, tensor in enumerate(tensors):
+            self._isend(tensor, dst, self._tag(edge, mb, False, 2 + i))
+
+    def recv_value(self, producer: int, name: str, consumer: int, mb: int) -> Any:
+        edge = (producer, name, consumer)
+        src = self.stage_to_rank[producer]
+        eid = self.edge_ids[edge]
+        if mb == 0 or self.layouts[eid].resend:
+            size = self._recv((1,), torch.int64, src, self._tag(edge, mb, False, 0))
+            payload = self._recv((int(size.item()),), torch.uint8, src, self._tag(edge, mb, False, 1))
+            self.layouts[eid] = pickle.loads(payload.cpu().numpy().tobytes())
+        layout = self.layouts[eid]
+        leaves: list[Any] = []
+        slot = 2
+        for described, is_tensor in zip(layout.leaves, layout.is_tensor):
+            if not is_tensor:
+                leaves.append(described)
+                continue
+            shape, dtype, requires_grad = described
+            leaves.append(self._recv(shape, dtype, src, self._tag(edge, mb, False, slot)).requires_grad_(requires_grad))
+            slot += 1
+        return pytree.tree_unflatten(leaves, pytree.treespec_loads(layout.spec))
+
+    def send_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any, grads: LeafGrads) -> None:
+        """Send the gradient of every leaf of ``value`` (this stage's input) that requires grad."""
+        edge = (producer, name, consumer)
+        dst = self.stage_to_rank[producer]
+        slot = 2
+        for leaf, grad in zip(pytree.tree_leaves(value), grads):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                self._isend(grad if grad is not None else torch.zeros_like(leaf), dst,
+                            self._tag(edge, mb, True, slot))
+                slot += 1
+
+    def recv_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> LeafGrads:
+        """Receive the gradient of ``value`` (this stage's output) from ``consumer``."""
+        edge = (producer, name, consumer)
+        src = self.stage_to_rank[consumer]
+        grads: LeafGrads = []
+        slot = 2
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                grads.append(self._recv(tuple(leaf.shape), leaf.dtype, src, self._tag(edge, mb, True, slot)))
+                slot += 1
+            else:
+                grads.append(None)
+        return grads
+
+    def wait_sends(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
