@@ -5,63 +5,92 @@
     pipe = pc.split(model, (x,), split_spec={"layers.2": pc.SplitPoint.BEGINNING})
     res = pc.DetachExecutor(pipe).step((x,), n_microbatches=4)
     pc.assert_equivalent(model, (x,), split_spec=..., n_microbatches=4, runner="reference")
+
+Names are loaded on first use, so ``import pipecheck`` (and the pytest plugin)
+stays cheap until something is actually used.
 """
 
-from pipecheck import losses, policies, schedules
-from pipecheck._check import assert_equivalent
-from pipecheck._errors import (
-    EngineError,
-    EquivalenceError,
-    InputError,
-    LossError,
-    NonFiniteError,
-    PipecheckError,
-    ScheduleError,
-    SplitError,
-    TraceError,
-    WorldError,
-)
-from pipecheck._job import Job, ModelFactory, Runner
-from pipecheck._markers import SplitPoint, pipe_split
-from pipecheck._microbatch import merge_microbatches, split_microbatches
-from pipecheck._numerics import Tolerance
-from pipecheck._pipe import Edge, Pipe, Source, Stage, TiedGroup, split
-from pipecheck._reference import DetachExecutor
-from pipecheck._report import Report
-from pipecheck._result import StepResult
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DetachExecutor",
-    "Edge",
-    "EngineError",
-    "EquivalenceError",
-    "InputError",
-    "Job",
-    "LossError",
-    "ModelFactory",
-    "NonFiniteError",
-    "Pipe",
-    "PipecheckError",
-    "Report",
-    "Runner",
-    "ScheduleError",
-    "Source",
-    "SplitError",
-    "SplitPoint",
-    "Stage",
-    "StepResult",
-    "TiedGroup",
-    "Tolerance",
-    "TraceError",
-    "WorldError",
-    "assert_equivalent",
-    "losses",
-    "merge_microbatches",
-    "pipe_split",
-    "policies",
-    "schedules",
-    "split",
-    "split_microbatches",
-]
+_EXPORTS: dict[str, str] = {
+    "assert_equivalent": "pipecheck._check",
+    "DetachExecutor": "pipecheck._reference",
+    "Edge": "pipecheck._pipe",
+    "EngineError": "pipecheck._errors",
+    "EquivalenceError": "pipecheck._errors",
+    "InputError": "pipecheck._errors",
+    "Job": "pipecheck._job",
+    "LossError": "pipecheck._errors",
+    "ModelFactory": "pipecheck._job",
+    "NonFiniteError": "pipecheck._errors",
+    "Pipe": "pipecheck._pipe",
+    "PipecheckError": "pipecheck._errors",
+    "Report": "pipecheck._report",
+    "Runner": "pipecheck._job",
+    "ScheduleError": "pipecheck._errors",
+    "Source": "pipecheck._pipe",
+    "SplitError": "pipecheck._errors",
+    "SplitPoint": "pipecheck._markers",
+    "Stage": "pipecheck._pipe",
+    "StepResult": "pipecheck._result",
+    "TiedGroup": "pipecheck._pipe",
+    "Tolerance": "pipecheck._numerics",
+    "TraceError": "pipecheck._errors",
+    "World": "pipecheck._world",
+    "WorldError": "pipecheck._errors",
+    "merge_microbatches": "pipecheck._microbatch",
+    "pipe_split": "pipecheck._markers",
+    "run_pipeline": "pipecheck._runtime",
+    "split": "pipecheck._pipe",
+    "split_microbatches": "pipecheck._microbatch",
+}
+_SUBMODULES = ("losses", "policies", "schedules", "strategies")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"pipecheck.{name}")
+    else:
+        raise AttributeError(f"module 'pipecheck' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:
+    from pipecheck import losses, policies, schedules, strategies
+    from pipecheck._check import assert_equivalent
+    from pipecheck._errors import (
+        EngineError,
+        EquivalenceError,
+        InputError,
+        LossError,
+        NonFiniteError,
+        PipecheckError,
+        ScheduleError,
+        SplitError,
+        TraceError,
+        WorldError,
+    )
+    from pipecheck._job import Job, ModelFactory, Runner
+    from pipecheck._markers import SplitPoint, pipe_split
+    from pipecheck._microbatch import merge_microbatches, split_microbatches
+    from pipecheck._numerics import Tolerance
+    from pipecheck._pipe import Edge, Pipe, Source, Stage, TiedGroup, split
+    from pipecheck._reference import DetachExecutor
+    from pipecheck._report import Report
+    from pipecheck._result import StepResult
+    from pipecheck._runtime import run_pipeline
+    from pipecheck._world import World

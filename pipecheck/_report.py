@@ -83,3 +83,18 @@ class Report:
 
     def __str__(self) -> str:
         return self.headline() + "\n\n" + format_table(self.rows, self.hints)
+
+
+def format_plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False) -> str:
+    """A left-aligned text table (or a markdown one) of string cells."""
+    cells = [list(headers)] + [list(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(headers))]
+    sep = " | " if markdown else "  "
+    lines = []
+    for i, line in enumerate(cells):
+        text = sep.join(c.ljust(w) for c, w in zip(line, widths))
+        lines.append(f"| {text} |" if markdown else text.rstrip())
+        if i == 0:
+            rule = sep.join("-" * w for w in widths)
+            lines.append(f"| {rule} |" if markdown else rule)
+    return "\n".join(lines)

@@ -17,6 +17,7 @@ ranks holding replicas, so every replica ends with the full gradient.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -210,6 +211,8 @@ class _RankRunner:
 
 def rank_step(ctx: Any, plan: RankPlan) -> RankResult:
     """The function every rank runs for one step (top-level, so it pickles)."""
+    # Ranks share the machine's cores: intra-op threads per rank would oversubscribe them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
     return _RankRunner(ctx, plan).run()
 
 
@@ -283,12 +286,12 @@ def execute(world: World, job: Job) -> StepResult:
 _SHARED_WORLDS: dict[tuple[int, str], World] = {}
 
 
-def shared_world(world_size: int, device: str = "cpu") -> World:
+def shared_world(world_size: int, device: str = "cpu", timeout: float = 120.0) -> World:
     """A World kept for the whole process (one per xdist worker), created on first use."""
     key = (world_size, str(device))
     world = _SHARED_WORLDS.get(key)
     if world is None or getattr(world, "_closed", False):
-        world = World(world_size, device=str(device))
+        world = World(world_size, device=str(device), timeout=timeout)
         _SHARED_WORLDS[key] = world
     return world
 

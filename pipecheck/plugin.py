@@ -1,0 +1,90 @@
+"""pipecheck's pytest plugin (registered through the ``pytest11`` entry point).
+
+    def test_my_engine(pipecheck_world):
+        world = pipecheck_world(4)           # live for the whole session, one per xdist worker
+        pc.assert_equivalent(make_model, (x,), runner="distributed", options={"world": world})
+
+It only declares options, markers, fixtures and hooks; torch and the runtime
+are imported when a fixture is first used.
+
+Hypothesis profiles ``ci`` (bounded, derandomized), ``dev`` and ``nightly``
+(many examples) are registered here and chosen with ``HYPOTHESIS_PROFILE``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pipecheck")
+    group.addoption("--pipecheck-device", default="cpu", choices=("cpu", "cuda"),
+                    help="device of the session's pipecheck worlds (default: cpu)")
+    group.addoption("--pipecheck-timeout", type=float, default=120.0,
+                    help="seconds before a pipecheck world job is declared hung (default: 120)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu(n=1): needs n CUDA GPUs; skipped cleanly without them")
+    _register_hypothesis_profiles()
+
+
+def _register_hypothesis_profiles() -> None:
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # pragma: no cover - hypothesis is a dependency
+        return
+    slow = [HealthCheck.too_slow, HealthCheck.data_too_large]
+    settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None,
+                              suppress_health_check=slow, print_blob=True)
+    settings.register_profile("dev", max_examples=100, deadline=None, suppress_health_check=slow)
+    settings.register_profile("nightly", max_examples=500, deadline=None, suppress_health_check=slow,
+                              print_blob=True)
+    profile = os.environ.get("HYPOTHESIS_PROFILE")
+    if profile:
+        settings.load_profile(profile)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    available = _gpu_count()
+    for item in gpu_items:
+        marker = item.get_closest_marker("gpu")
+        needed = int(marker.kwargs.get("n", marker.args[0] if marker.args else 1)) if marker else 1
+        if available < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s), found {available}"))
+
+
+@pytest.fixture(scope="session")
+def pipecheck_world(request: pytest.FixtureRequest) -> Iterator[Callable[[int], Any]]:
+    """A factory of session-long Worlds: ``pipecheck_world(n)`` starts n ranks once, then reuses them."""
+    from pipecheck._runtime import close_shared_worlds, shared_world
+
+    device = request.config.getoption("--pipecheck-device")
+    timeout = request.config.getoption("--pipecheck-timeout")
+
+    def get(world_size: int) -> Any:
+        return shared_world(world_size, device, timeout)
+
+    yield get
+    close_shared_worlds()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    import sys
+
+    runtime = sys.modules.get("pipecheck._runtime")
+    if runtime is not None:
+        runtime.close_shared_worlds()
