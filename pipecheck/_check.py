@@ -12,6 +12,7 @@ the failure table, or returns the :class:`Report`.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from pipecheck._reference import DetachExecutor
 from pipecheck._report import Report
 from pipecheck._result import StepResult
 from pipecheck._runners import resolve_runner
-from pipecheck._trace import SplitSpec
+from pipecheck._trace import SplitSpec, _bind_signature
 from pipecheck.losses import check_scalar_loss, projection_loss, projection_target
 from pipecheck.policies import Policy
 
@@ -48,8 +49,10 @@ def eager_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
 
     Returns the result and the target used (the projection weights when ``loss_fn`` is None).
     """
-    chunks = split_microbatches((args, kwargs), n_microbatches)
-    outputs = [model(*a, **k) for a, k in chunks]
+    bound = _bind_signature(model, args, kwargs)  # unknown kwargs: InputError, not forward's TypeError
+    chunks = split_microbatches(dict(bound.arguments), n_microbatches)  # errors name the input
+    calls = [inspect.BoundArguments(bound.signature, chunk) for chunk in chunks]  # type: ignore[arg-type]
+    outputs = [model(*call.args, **call.kwargs) for call in calls]
     merged = merge_microbatches(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, outputs))
     if loss_fn is None:
         loss_fn, target = projection_loss, projection_target(merged)
@@ -70,8 +73,6 @@ def eager_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
 
 
 def _grad_inputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    import inspect
-
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     return [(name, value) for name, value in bound.arguments.items()
             if isinstance(value, torch.Tensor) and value.requires_grad]
@@ -130,21 +131,22 @@ def assert_equivalent(
                          "the default random-projection loss.")
     runner_name, run = resolve_runner(runner)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    kwargs = dict(kwargs or {})
+    call_kwargs: dict[str, Any] = dict(kwargs or {})
     factory = ModelFactory(model, dtype=dtype, device=device, seed=seed)
-    args, kwargs, target = (cast_inputs(v, dtype, device) for v in (args, kwargs, target))
+    args, target = cast_inputs(args, dtype, device), cast_inputs(target, dtype, device)
+    call_kwargs = cast_inputs(call_kwargs, dtype, device)
     timings: dict[str, float] = {}
 
     started = time.perf_counter()
-    eager, target_used = eager_step(factory(), args, kwargs, loss_fn, target, n_microbatches, check_grads)
+    eager, target_used = eager_step(factory(), args, call_kwargs, loss_fn, target, n_microbatches, check_grads)
     timings["eager_s"] = time.perf_counter() - started
     started = time.perf_counter()
-    ref64, _ = eager_step(factory().to(torch.float64), _to64(args), _to64(kwargs), loss_fn or projection_loss,
+    ref64, _ = eager_step(factory().to(torch.float64), _to64(args), _to64(call_kwargs), loss_fn or projection_loss,
                           _to64(target_used), n_microbatches, check_grads)
     timings["fp64_s"] = time.perf_counter() - started
     _check_nonfinite(eager)
 
-    job = Job(model=factory, args=args, kwargs=kwargs, split_spec=split_spec, policy=policy, tracer=tracer,
+    job = Job(model=factory, args=args, kwargs=call_kwargs, split_spec=split_spec, policy=policy, tracer=tracer,
               loss_fn=loss_fn or projection_loss, target=target_used, n_microbatches=n_microbatches,
               schedule=schedule, world_size=world_size, stages_per_rank=stages_per_rank,
               device=str(device or "cpu"), timeout=timeout, options=dict(options or {}))

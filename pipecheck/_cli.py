@@ -52,8 +52,10 @@ def _cell(run: Callable[[], Any]) -> tuple[str, bool]:
     try:
         report = run()
     except pc.EquivalenceError as err:
-        row = err.report.failures[0]
-        hint = err.report.hints.get(row.name)
+        report = err.report
+        assert isinstance(report, pc.Report)
+        row = report.failures[0]
+        hint = report.hints.get(row.name)
         return f"FAIL {row.name}" + (f" ({hint.split(':')[0]})" if hint else ""), False
     except pc.PipecheckError as err:
         first = str(err).strip().splitlines()[0]

@@ -84,7 +84,7 @@ class Job:
     loss_fn: LossFn | None = None
     target: Any = None
     n_microbatches: int = 1
-    schedule: str = "1f1b"
+    schedule: str | Any = "1f1b"  # a name, or a pipecheck.schedules.Schedule
     world_size: int | None = None
     stages_per_rank: int = 1
     device: str = "cpu"

@@ -168,11 +168,16 @@ def _apply_policy(graph: fx.Graph, policy: Policy, canonical: dict[int, str], at
             graph.call_function(PIPE_SPLIT_OP, (), {})
 
 
+def _target(node: fx.Node) -> str:
+    """The attribute path of a get_attr / call_module / placeholder node."""
+    return str(node.target)
+
+
 def _node_params(node: fx.Node, attrs: dict[str, Any]) -> list[torch.Tensor]:
     if node.op == "call_module":
-        return list(attrs[node.target].parameters())
-    return [attrs[a.target] for a in node.all_input_nodes
-            if a.op == "get_attr" and isinstance(attrs[a.target], nn.Parameter)]
+        return list(attrs[_target(node)].parameters())
+    return [attrs[_target(a)] for a in node.all_input_nodes
+            if a.op == "get_attr" and isinstance(attrs[_target(a)], nn.Parameter)]
 
 
 def _assign_stages(graph: fx.Graph) -> tuple[dict[fx.Node, int], int]:
@@ -219,18 +224,18 @@ def _build_stage(index: int, nodes: list[fx.Node], stage_of: dict[fx.Node, int],
 
     def lookup(arg: fx.Node) -> fx.Node:
         if arg not in env:  # a get_attr: every stage that uses it gets its own copy
-            env[arg] = graph.get_attr(arg.target)
-            roots[arg.target] = traced.attrs[arg.target]
+            env[arg] = graph.get_attr(_target(arg))
+            roots[_target(arg)] = traced.attrs[_target(arg)]
         return env[arg]
 
     for node in nodes:
         env[node] = graph.node_copy(node, lookup)
         if node.op == "call_module":
-            roots[node.target] = traced.attrs[node.target]
+            roots[_target(node)] = traced.attrs[_target(node)]
     graph.output(tuple(lookup(v) if isinstance(v, fx.Node) else v for v in returns))
     module = fx.GraphModule(roots, graph, class_name=f"Stage{index}")
     sources = tuple(Source(None if a.op == "placeholder" else stage_of[a],
-                           a.target if a.op == "placeholder" else a.name) for a in external)
+                           _target(a) if a.op == "placeholder" else a.name) for a in external)
     return module, sources
 
 
@@ -264,7 +269,7 @@ def partition(traced: Traced, model: nn.Module) -> Pipe:
         outputs = tuple(v.name for v in returns if isinstance(v, fx.Node)) if index < n_stages - 1 else ()
         stages.append(Stage(index, module, sources, outputs, params, buffers, local_to_fqn))
     output_sources = tuple(
-        (Source(stage_of[v], v.name) if v in stage_of else Source(None, v.target) if v.op == "placeholder" else None)
+        (Source(stage_of[v], v.name) if v in stage_of else Source(None, _target(v)) if v.op == "placeholder" else None)
         if isinstance(v, fx.Node) else None for v in leaves)
     return Pipe(stages, traced, out_spec, output_sources, _tied_groups(model, stages), type(model).__name__)
 

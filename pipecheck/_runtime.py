@@ -104,6 +104,10 @@ class _RankRunner:
                 self.consumers.setdefault((edge.src, edge.name), []).append(edge.dst)
         for key in self.consumers:
             self.consumers[key].sort(reverse=True)  # gradient sum order: last consumer first
+        self._reset()
+
+    def _reset(self) -> None:
+        """Fresh per-step state; the split, inputs and links' layouts are kept across steps."""
         self.forwards: dict[tuple[int, int], StageForward] = {}
         self.local_values: dict[tuple[int, str, int], Any] = {}
         self.local_grads: dict[tuple[int, str, int, int], LeafGrads] = {}
@@ -197,6 +201,8 @@ class _RankRunner:
                     self.result.grads.setdefault(s, {})[group.fqn] = local
 
     def run(self) -> RankResult:
+        """One step: this rank's actions, then the tied-gradient all-reduce."""
+        self._reset()
         for action in self.schedule.actions[self.rank]:
             self.ctx.stage, self.ctx.action = action.stage, str(action)
             (self.forward if action.kind == "F" else self.backward)(action.stage, action.microbatch)
@@ -217,9 +223,8 @@ def rank_step(ctx: Any, plan: RankPlan) -> RankResult:
 
 
 def make_plan(job: Job, pipe: Pipe) -> RankPlan:
-    schedule = job.schedule
-    if not isinstance(schedule, Schedule):
-        schedule = make_schedule(str(schedule), pipe.num_stages, job.n_microbatches, job.stages_per_rank)
+    schedule = job.schedule if isinstance(job.schedule, Schedule) else \
+        make_schedule(str(job.schedule), pipe.num_stages, job.n_microbatches, job.stages_per_rank)
     if schedule.n_stages != pipe.num_stages or schedule.n_microbatches != job.n_microbatches:
         raise InputError(f"schedule {schedule.name!r} is for {schedule.n_stages} stages and "
                          f"{schedule.n_microbatches} micro-batches, but the split has {pipe.num_stages} stages "
