@@ -1,0 +1,1 @@
+"""The implementation of :mod:`pipecheck.strategies`; import from there instead."""

@@ -1,0 +1,101 @@
+"""The small modules a generated model is made of, and its one initialiser.
+
+Every layer of a generated model is its own submodule (``l0``, ``l1``, ...), so
+even a parameter-free operation such as an add has a module FQN that a
+``split_spec`` can name. These definitions use nothing but ``torch``:
+:func:`~pipecheck.strategies.to_source` copies their source text verbatim into
+the reproduction script, so the script and :func:`~pipecheck.strategies.build`
+run the very same code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def uniform_(
+    generator: torch.Generator, shape: tuple[int, ...], center: float, bound: float
+) -> torch.Tensor:
+    """Values uniform in ``[center - bound, center + bound)``, drawn from ``generator`` only."""
+    return center + (torch.rand(shape, generator=generator) * 2 - 1) * bound
+
+
+class Add(torch.nn.Module):
+    """``a + b``: a residual connection between two values of the same width."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+class Multiply(torch.nn.Module):
+    """``a * b``, elementwise: a gate between two values of the same width."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
+
+
+class Concat(torch.nn.Module):
+    """``cat([a, b], dim=-1)``: the width is the sum of both widths."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a, b], dim=-1)
+
+
+class Scale(torch.nn.Module):
+    """``h * scale`` with ``scale`` a registered buffer (state that is not a parameter)."""
+
+    scale: torch.Tensor
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.empty(width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale
+
+
+class Shift(torch.nn.Module):
+    """``h + shift`` with ``shift`` a registered buffer (state that is not a parameter)."""
+
+    shift: torch.Tensor
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.empty(width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.shift
+
+
+class TiedLinear(torch.nn.Module):
+    """A Linear whose weight IS another layer's ``nn.Parameter`` (the same object).
+
+    ``model.named_parameters()`` lists the shared weight once, under the owner's
+    name; ``state_dict()`` lists it under both. With ``transpose`` the weight is
+    used as ``weight.t()`` (an embedding reused as an output head).
+    """
+
+    def __init__(self, weight: torch.nn.Parameter, transpose: bool, bias: bool) -> None:
+        super().__init__()
+        self.weight = weight
+        self.transpose = transpose
+        out_features = weight.shape[1] if transpose else weight.shape[0]
+        self.bias = torch.nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.t() if self.transpose else self.weight
+        return torch.nn.functional.linear(h, weight, self.bias)
+
+
+class AddInput(torch.nn.Module):
+    """``h + extra``, where ``extra`` is a keyword input of the model; ``h`` when it is None.
+
+    The ``is None`` test is decided while tracing: torch.fx sees a Proxy (not
+    None) when the keyword is passed, and the constant None when the tracer
+    specialises a missing keyword to its default.
+    """
+
+    def forward(self, h: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        if extra is None:
+            return h
+        return h + extra
