@@ -96,6 +96,7 @@ class Pipe:
         self.tied_groups = tied_groups
         self.model_name = model_name
         self._bind = traced.bind
+        self._holders = _param_holders(stages)
 
     @property
     def num_stages(self) -> int:
@@ -116,7 +117,8 @@ class Pipe:
         return self._bind(tuple(args), dict(kwargs or {}))
 
     def param_stages(self, fqn: str) -> tuple[int, ...]:
-        return tuple(s.index for s in self.stages if fqn in s.params)
+        """The stages holding parameter ``fqn`` (more than one for a tied parameter)."""
+        return self._holders.get(fqn, ())
 
     def __repr__(self) -> str:
         return f"<Pipe {self.model_name}: {self.num_stages} stages, tracer={self.tracer!r}>"
@@ -278,13 +280,18 @@ def _tied_groups(model: nn.Module, stages: list[Stage]) -> list[TiedGroup]:
     all_names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         all_names.setdefault(id(p), []).append(name)
-    by_fqn = {names[0]: names[1:] for names in all_names.values()}
-    groups = []
-    for fqn, aliases in by_fqn.items():
-        holders = tuple(s.index for s in stages if fqn in s.params)
-        if len(holders) > 1:
-            groups.append(TiedGroup(fqn, tuple(aliases), holders))
-    return groups
+    holders = _param_holders(stages)
+    return [TiedGroup(names[0], tuple(names[1:]), holders[names[0]])
+            for names in all_names.values() if len(holders.get(names[0], ())) > 1]
+
+
+def _param_holders(stages: list[Stage]) -> dict[str, tuple[int, ...]]:
+    """Canonical FQN -> the stages holding it, in stage order (one pass, not one per parameter)."""
+    holders: dict[str, list[int]] = {}
+    for stage in stages:
+        for fqn in stage.params:
+            holders.setdefault(fqn, []).append(stage.index)
+    return {fqn: tuple(indices) for fqn, indices in holders.items()}
 
 
 ModelLike = nn.Module | Callable[[], nn.Module]
