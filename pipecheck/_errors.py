@@ -53,3 +53,51 @@ class EquivalenceError(AssertionError, PipecheckError):
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class WorldStartError(WorldError):
+    """The worker processes of a :class:`pipecheck.World` could not be started."""
+
+
+class JobPickleError(WorldError):
+    """A job (its function, arguments or keyword arguments) cannot be sent to the ranks."""
+
+
+class RankFailedError(WorldError):
+    """A rank raised while running a job; ``rank``, ``stage`` and ``traceback`` say where."""
+
+    def __init__(
+        self, message: str, rank: int = -1, stage: int | None = None, traceback: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.stage = stage
+        self.traceback = traceback
+
+
+class RankTimeoutError(WorldError):
+    """Some ranks did not finish a job in time; ``stacks`` maps every rank to its Python stack."""
+
+    def __init__(
+        self,
+        message: str,
+        ranks: tuple[int, ...] = (),
+        stacks: dict[int, str] | None = None,
+        timeout: float = 0.0,
+    ) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.stacks = dict(stacks or {})
+        self.timeout = timeout
+
+
+class RankDiedError(WorldError):
+    """A rank's process exited during a job (os._exit, a signal, a crash)."""
+
+    def __init__(
+        self, message: str, rank: int = -1, exitcode: int | None = None, stage: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.stage = stage

@@ -1,0 +1,312 @@
+"""The rank side of :class:`pipecheck.World`: messages, the rank context, the worker loop.
+
+    ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+    ctx.stage = 2          # error reports now say "stage 2"
+    ctx.action = "2F0"
+
+The driver (``_world.py``) and each worker talk only in the dataclasses below, each
+pickled with plain :mod:`pickle` and sent with ``Connection.send_bytes``. Plain
+pickle (not multiprocessing's ForkingPickler) copies tensors by value instead of
+handing out shared-memory or CUDA-IPC handles that die with the sender.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ACTION_BYTES = 64  # room for one action label per rank on the stage board
+_NO_STAGE = -1
+_PARENT_POLL_S = 0.5
+# The driver enforces every job's timeout itself, with stacks; the process
+# group's own timeout only has to be longer than any sensible job.
+PROCESS_GROUP_TIMEOUT = timedelta(days=1)
+
+
+# --- messages: driver -> worker ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a rank needs to join its world; pickled once at spawn."""
+
+    rank: int
+    world_size: int
+    device: str
+    comm_device: str
+    backend: str
+    store_path: str
+    stack_path: str
+    parent_pid: int
+    kill_with_parent: bool  # PR_SET_PDEATHSIG; only safe when started from the main thread
+
+
+@dataclass(frozen=True)
+class JobCall:
+    """The user's call, pickled separately so a rank can report a failure to unpickle it."""
+
+    fn: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    job_id: int
+    call: bytes  # pickled JobCall
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# --- messages: worker -> driver ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    rank: int
+    traceback: str
+
+
+@dataclass(frozen=True)
+class JobDone:
+    job_id: int
+    rank: int
+    value: bytes  # pickled return value of fn
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    job_id: int
+    rank: int
+    stage: int | None
+    action: str | None
+    error: str  # "ValueError: bad shape"
+    traceback: str
+
+
+def send(conn: Connection, message: object) -> None:
+    conn.send_bytes(pickle.dumps(message))
+
+
+def receive(conn: Connection) -> object:
+    return pickle.loads(conn.recv_bytes())
+
+
+@dataclass(frozen=True)
+class WorldProperties:
+    """How a World's ranks are placed: per-rank compute and communication devices."""
+
+    world_size: int
+    device: str  # what the user asked for: "cpu" or "cuda"
+    backend: str  # "gloo" or "nccl"
+    devices: tuple[str, ...]  # rank r computes on devices[r]
+    comm_devices: tuple[str, ...]  # rank r passes tensors to torch.distributed on comm_devices[r]
+    gpus_shared: bool  # fewer GPUs than ranks: ranks share GPUs and talk through gloo on CPU
+    launcher: str  # "spawn" (World(n)) or "torchrun" (World.from_env())
+
+
+# --- the stage board: what each rank is doing, readable after it hangs or dies
+
+
+class StageBoard:
+    """Shared memory holding each rank's current ``stage`` and ``action``.
+
+    A rank that hangs or dies cannot answer questions; the driver reads the
+    board instead, so even those errors can name the stage.
+    """
+
+    def __init__(self, world_size: int, ctx: Any) -> None:
+        self._stages = ctx.RawArray(ctypes.c_int, [_NO_STAGE] * world_size)
+        self._actions = ctx.RawArray(ctypes.c_char, ACTION_BYTES * world_size)
+
+    def publish(self, rank: int, stage: int | None, action: str | None) -> None:
+        self._stages[rank] = _NO_STAGE if stage is None else int(stage)
+        label = (action or "").encode()[: ACTION_BYTES - 1]
+        start = rank * ACTION_BYTES
+        self._actions[start : start + ACTION_BYTES] = label.ljust(ACTION_BYTES, b"\0")
+
+    def read(self, rank: int) -> tuple[int | None, str | None]:
+        stage = self._stages[rank]
+        start = rank * ACTION_BYTES
+        label = bytes(self._actions[start : start + ACTION_BYTES]).split(b"\0", 1)[0]
+        return (None if stage == _NO_STAGE else stage), (label.decode(errors="replace") or None)
+
+
+@dataclass
+class RankContext:
+    """What a job's ``fn(ctx, ...)`` knows about the rank it runs on.
+
+    ``device`` is where the rank computes; ``comm_device`` is where tensors
+    must be for ``torch.distributed`` calls (CPU when ranks share a GPU and
+    talk through gloo). Set ``stage`` and ``action`` as the job progresses so
+    that a failure, hang or crash report says what the rank was doing; they are
+    mirrored to ``board`` (internal), which the driver can read even after the
+    rank hangs or dies.
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    group: Any = None
+    stage: int | None = None
+    action: str | None = None
+    board: StageBoard | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        board = getattr(self, "board", None)
+        if name in ("stage", "action") and board is not None:
+            board.publish(self.rank, self.stage, self.action)
+
+
+# --- the worker process -----------------------------------------------------
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    # Runs in a daemon thread: a worker must never outlive its driver, even
+    # while its main thread is stuck in a job or a collective.
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(_PARENT_POLL_S)
+
+
+def _tie_lifetime_to_parent(config: WorkerConfig) -> None:
+    if config.kill_with_parent and sys.platform.startswith("linux"):
+        try:
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog thread below still covers it
+    if os.getppid() != config.parent_pid:
+        os._exit(1)  # the driver died before we could arm the checks
+    watchdog = threading.Thread(
+        target=_exit_when_orphaned, args=(config.parent_pid,), name="pipecheck-parent-watch"
+    )
+    watchdog.daemon = True
+    watchdog.start()
+
+
+def _join_world(config: WorkerConfig, board: StageBoard) -> RankContext:
+    if sys.platform.startswith("linux"):
+        # Every rank lives on this host: loopback always works, whatever the
+        # hostname resolves to. A value the user set wins.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.FileStore(config.store_path, config.world_size)
+    dist.init_process_group(
+        config.backend,
+        store=store,
+        rank=config.rank,
+        world_size=config.world_size,
+        timeout=PROCESS_GROUP_TIMEOUT,
+    )
+    return RankContext(
+        rank=config.rank,
+        world_size=config.world_size,
+        device=device,
+        backend=config.backend,
+        comm_device=torch.device(config.comm_device),
+        group=dist.group.WORLD,
+        board=board,
+    )
+
+
+def _unpickle_hint(error: BaseException) -> str:
+    return (
+        f"\nThe job could not be unpickled on this rank ({type(error).__name__}: {error}). "
+        "fn must be a top-level function of a module the workers can import: not a lambda, "
+        "a nested function, or a function defined in an interactive session or `python -c`."
+    )
+
+
+def run_call(ctx: RankContext, job_id: int, call: JobCall | bytes) -> JobDone | JobFailed:
+    """Run one job on this rank; never raises. ``call`` may still be pickled."""
+    ctx.stage = None
+    ctx.action = None
+    hint = ""
+    try:
+        if isinstance(call, bytes):
+            try:
+                call = pickle.loads(call)
+            except Exception as error:
+                hint = _unpickle_hint(error)
+                raise
+        assert isinstance(call, JobCall)  # the driver only ever sends a JobCall
+        value = call.fn(ctx, *call.args, **call.kwargs)
+        try:
+            return JobDone(job_id, ctx.rank, pickle.dumps(value))
+        except Exception:
+            hint = (
+                f"\nfn returned a {type(value).__name__}, which cannot be pickled back to the "
+                "driver; return plain data or CPU tensors."
+            )
+            raise
+    except BaseException as error:  # SystemExit from a job is a failure too
+        # Drop this function's own frame: the traceback starts in the user's fn.
+        tb = error.__traceback__
+        tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+        return JobFailed(
+            job_id=job_id,
+            rank=ctx.rank,
+            stage=ctx.stage,
+            action=ctx.action,
+            error=f"{type(error).__name__}: {error}",
+            traceback="".join(traceback.format_exception(type(error), error, tb)) + hint,
+        )
+
+
+def worker_main(config: WorkerConfig, conn: Connection, board: StageBoard) -> None:
+    """Entry point of a spawned rank: join the world, then run jobs until told to stop."""
+    # Ctrl-C reaches the whole process group; only the driver should react.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _tie_lifetime_to_parent(config)
+    stack_file = open(config.stack_path, "a")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.enable(file=stack_file, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    try:
+        ctx = _join_world(config, board)
+    except BaseException:
+        send(conn, StartFailed(config.rank, traceback.format_exc()))
+        return
+    send(conn, Ready(config.rank, os.getpid()))
+    while True:
+        try:
+            message = receive(conn)
+        except (EOFError, OSError):
+            os._exit(0)  # the driver is gone; nothing to clean up for
+        match message:
+            case JobRequest():
+                send(conn, run_call(ctx, message.job_id, message.call))
+            case Shutdown():
+                break
+    ctx.group = None  # see _TorchrunRank.stop in _world.py: no group may outlive the process group
+    dist.destroy_process_group()

@@ -1,0 +1,423 @@
+"""The driver side of spawned ranks: start them, run a job, turn faults into reports.
+
+    ranks = SpawnedRanks(properties, start_timeout=60)
+    values = ranks.run(pickled_call, "mod.fn", timeout=30)  # one pickled return value per rank
+    ranks.stop(graceful=True)
+
+Used by :class:`pipecheck.World`; it knows nothing about pipelines. Every way a
+job can go wrong ends the same way: the report is built while the ranks are
+still there to ask (stage board, faulthandler stacks), then every rank is
+stopped so the next job starts from fresh processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from pipecheck._errors import (
+    RankDiedError,
+    RankFailedError,
+    RankTimeoutError,
+    WorldError,
+    WorldStartError,
+)
+from pipecheck._worker import (
+    JobDone,
+    JobFailed,
+    JobRequest,
+    Ready,
+    Shutdown,
+    StageBoard,
+    StartFailed,
+    WorkerConfig,
+    WorldProperties,
+    receive,
+    send,
+    worker_main,
+)
+
+FAULT_GRACE_S = 0.5  # after a first fault, how long to collect the other ranks' reports
+STACK_WAIT_S = 3.0  # how long ranks get to write their stacks after SIGUSR1
+SHUTDOWN_GRACE_S = 3.0  # close(): time to leave the process group before SIGTERM
+KILL_GRACE_S = 1.0  # time between SIGTERM and SIGKILL
+RESTART_NOTE = "The world's processes were stopped; the next run() starts fresh ones."
+TMPDIR_PREFIX = "pipecheck-world-"  # then the driver's pid: pipecheck-world-1234-abcd
+
+
+def sweep_stale_tmpdirs() -> None:
+    """Remove the temporary directories of worlds whose driver was killed (no close() ran)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        driver = name[len(TMPDIR_PREFIX) :].split("-", 1)[0]
+        if not (name.startswith(TMPDIR_PREFIX) and driver.isdigit()):
+            continue
+        try:
+            os.kill(int(driver), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:
+            pass  # alive, but someone else's
+
+
+def _where(stage: int | None, action: str | None) -> str:
+    text = "no stage set" if stage is None else f"stage {stage}"
+    return text + (f" (action {action!r})" if action else "")
+
+
+def _indent(text: str) -> str:
+    return "".join("    " + line for line in text.rstrip().splitlines(keepends=True))
+
+
+def _exit_status(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "closed its pipe to the driver but did not exit"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} (exit code {exitcode})"
+    return f"exited with code {exitcode} (os._exit(), or a native library calling exit())"
+
+
+def _death_hint(exitcode: int | None) -> str:
+    if exitcode == -signal.SIGKILL:
+        return "A SIGKILL nobody sent is usually the out-of-memory killer (check `dmesg`)."
+    if exitcode in (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT, -signal.SIGFPE):
+        return "This is a crash in native code (a C/C++ extension, CUDA or torch); the faulthandler output shows the Python line that called it."
+    return "Check the rank's stderr above for what it printed before exiting."
+
+
+@dataclass
+class Fault:
+    """One rank that raised (``failed`` set) or died (``exitcode``) during a job."""
+
+    rank: int
+    stage: int | None
+    action: str | None
+    failed: JobFailed | None = None
+    exitcode: int | None = None
+    last_words: str = ""  # faulthandler output written as it died
+
+
+def fault_error(
+    faults: list[Fault], still_running: set[int], job: str, world_size: int, recovery: str
+) -> WorldError:
+    # A death is the cause, never a consequence, of the others' errors (a peer's
+    # "Connection closed" may even reach the driver first): report deaths first.
+    ordered = sorted(faults, key=lambda fault: fault.failed is not None)
+    first, others = ordered[0], ordered[1:]
+    where = _where(first.stage, first.action)
+    if first.failed is not None:
+        lines = [
+            f"rank {first.rank} of {world_size} raised {first.failed.error} while running {where} of job {job}.",
+            f"Traceback on rank {first.rank}:",
+            _indent(first.failed.traceback),
+        ]
+    else:
+        lines = [
+            f"rank {first.rank} of {world_size} died while running {where} of job {job}: "
+            f"it {_exit_status(first.exitcode)}.",
+            _death_hint(first.exitcode),
+        ]
+        if first.last_words.strip():
+            lines += [f"faulthandler output of rank {first.rank}:", _indent(first.last_words)]
+    for fault in others:
+        what = fault.failed.error if fault.failed else "it " + _exit_status(fault.exitcode)
+        lines.append(
+            f"Then rank {fault.rank} ({_where(fault.stage, fault.action)}): {what} (probably a consequence)."
+        )
+    if still_running:
+        ranks = ", ".join(map(str, sorted(still_running)))
+        lines.append(
+            f"Still running when stopped: rank(s) {ranks} (probably waiting for rank {first.rank})."
+        )
+    lines.append(f"{recovery} Fix rank {first.rank}'s problem first.")
+    message = "\n".join(lines)
+    if first.failed is not None:
+        return RankFailedError(message, first.rank, first.stage, first.failed.traceback)
+    return RankDiedError(message, first.rank, first.exitcode, first.stage)
+
+
+class SpawnedRanks:
+    """The ranks as spawned child processes of this (driver) process."""
+
+    def __init__(self, properties: WorldProperties, start_timeout: float) -> None:
+        self.properties = properties
+        self.start_timeout = start_timeout
+        self.tmpdir: str | None = None
+        self.procs: list[BaseProcess] = []
+        self.conns: list[Connection] = []
+        self.board: StageBoard | None = None
+        self.job_ids = itertools.count()
+
+    @property
+    def started(self) -> bool:
+        return bool(self.procs)
+
+    def stack_path(self, rank: int) -> str:
+        assert self.tmpdir is not None
+        return os.path.join(self.tmpdir, f"rank{rank}.stack")
+
+    def start(self) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        n = self.properties.world_size
+        sweep_stale_tmpdirs()
+        self.tmpdir = tempfile.mkdtemp(prefix=f"{TMPDIR_PREFIX}{os.getpid()}-")
+        self.board = StageBoard(n, spawn)
+        # PR_SET_PDEATHSIG fires when the *thread* that spawned the child exits,
+        # so it is only armed when that thread is the main thread.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        try:
+            for rank in range(n):
+                config = WorkerConfig(
+                    rank=rank,
+                    world_size=n,
+                    device=self.properties.devices[rank],
+                    comm_device=self.properties.comm_devices[rank],
+                    backend=self.properties.backend,
+                    store_path=os.path.join(self.tmpdir, "filestore"),
+                    stack_path=self.stack_path(rank),
+                    parent_pid=os.getpid(),
+                    kill_with_parent=in_main_thread,
+                )
+                driver_end, worker_end = spawn.Pipe()
+                proc = spawn.Process(
+                    target=worker_main,
+                    args=(config, worker_end, self.board),
+                    name=f"pipecheck-rank{rank}",
+                )
+                proc.start()
+                worker_end.close()
+                self.procs.append(proc)
+                self.conns.append(driver_end)
+            self._await_ready()
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+
+    def _await_ready(self) -> None:
+        n, props = self.properties.world_size, self.properties
+        deadline = time.monotonic() + self.start_timeout
+        pending, problems = set(range(n)), []
+        while pending and time.monotonic() < deadline:
+            waitables: dict[Any, int] = {self.conns[r]: r for r in pending} | {
+                self.procs[r].sentinel: r for r in pending
+            }
+            for ready in wait_for(list(waitables), timeout=deadline - time.monotonic()):
+                rank = waitables[ready]
+                if rank not in pending:
+                    continue
+                pending.discard(rank)
+                try:
+                    message = receive(self.conns[rank])
+                except (EOFError, OSError):
+                    self.procs[rank].join(KILL_GRACE_S)
+                    problems.append(
+                        f"rank {rank} {_exit_status(self.procs[rank].exitcode)} before joining the "
+                        "world; its stderr above says why. A script that creates a World must do "
+                        "so under `if __name__ == '__main__':` (workers re-import the main module)."
+                    )
+                    continue
+                if isinstance(message, StartFailed):
+                    problems.append(
+                        f"rank {rank} failed to join the world:\n{_indent(message.traceback)}"
+                    )
+                elif not isinstance(message, Ready):
+                    problems.append(f"rank {rank} sent {message!r} instead of Ready")
+            if problems:
+                break
+        if pending and not problems:
+            stacks = self.dump_stacks(dict.fromkeys(pending, 0))
+            problems.extend(
+                f"rank {r} did not join within start_timeout={self.start_timeout} s; its stack:\n{_indent(stacks[r])}"
+                for r in sorted(pending)
+            )
+        if problems:
+            raise WorldStartError(
+                f"Could not start World({n}, device={props.device!r}) "
+                f"(backend {props.backend}, devices {', '.join(props.devices)}):\n"
+                + "\n".join(problems)
+                + "\nIf gloo cannot bind an address, set GLOO_SOCKET_IFNAME; if startup is just "
+                "slow, raise start_timeout."
+            )
+
+    def run(self, call: bytes, job: str, timeout: float) -> list[bytes]:
+        if not self.started:
+            self.start()
+        job_id = next(self.job_ids)
+        offsets = {r: self._stack_size(r) for r in range(self.properties.world_size)}
+        request = pickle.dumps(JobRequest(job_id, call))
+        try:
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(request)
+                except OSError:
+                    pass  # a dead rank; its sentinel reports it below
+            done, faults, pending = self._collect(job_id, offsets, time.monotonic() + timeout)
+            if faults:
+                raise fault_error(faults, pending, job, self.properties.world_size, RESTART_NOTE)
+            if pending:
+                raise self._timeout_error(pending, offsets, job, timeout)
+        except BaseException:
+            self.stop(
+                graceful=False
+            )  # faults, timeouts and Ctrl-C leave the ranks in an unknown state
+            raise
+        return [done[r] for r in range(self.properties.world_size)]
+
+    def _collect(
+        self, job_id: int, offsets: dict[int, int], deadline: float
+    ) -> tuple[dict[int, bytes], list[Fault], set[int]]:
+        done: dict[int, bytes] = {}
+        faults: list[Fault] = []
+        pending = set(range(self.properties.world_size))
+        while pending and (now := time.monotonic()) < deadline:
+            waitables: dict[Any, int] = {self.conns[r]: r for r in pending} | {
+                self.procs[r].sentinel: r for r in pending
+            }
+            for ready in wait_for(list(waitables), timeout=deadline - now):
+                rank = waitables[ready]
+                if rank not in pending:
+                    continue
+                outcome = self._outcome(rank, job_id, offsets[rank])
+                if outcome is None:
+                    continue
+                pending.discard(rank)
+                if isinstance(outcome, Fault):
+                    faults.append(outcome)
+                    deadline = min(deadline, time.monotonic() + FAULT_GRACE_S)
+                else:
+                    done[rank] = outcome
+        return done, faults, pending
+
+    def _outcome(self, rank: int, job_id: int, offset: int) -> bytes | Fault | None:
+        conn, proc = self.conns[rank], self.procs[rank]
+        if conn.poll():  # a message, or EOF if the rank died
+            try:
+                message = receive(conn)
+            except (EOFError, OSError):
+                message = None
+            if isinstance(message, JobDone) and message.job_id == job_id:
+                return message.value
+            if isinstance(message, JobFailed) and message.job_id == job_id:
+                return Fault(rank, message.stage, message.action, failed=message)
+            if message is not None:
+                return None  # a reply to an earlier job; keep waiting
+        proc.join(KILL_GRACE_S)  # EOF can come a moment before the exit status
+        assert self.board is not None
+        stage, action = self.board.read(rank)
+        return Fault(
+            rank, stage, action, exitcode=proc.exitcode, last_words=self._read_stack(rank, offset)
+        )
+
+    def _timeout_error(
+        self, pending: set[int], offsets: dict[int, int], job: str, timeout: float
+    ) -> RankTimeoutError:
+        assert self.board is not None
+        stacks = self.dump_stacks(offsets)
+        n = self.properties.world_size
+        states = []
+        for rank in range(n):
+            state = (
+                "still running, " + _where(*self.board.read(rank))
+                if rank in pending
+                else "finished"
+            )
+            states.append(f"rank {rank}: {state}")
+        ranks = ", ".join(map(str, sorted(pending)))
+        lines = [
+            f"job {job} did not finish within {timeout} s on rank(s) {ranks} of {n}.",
+            *states,
+            f"{RESTART_NOTE} Look below for where the unfinished ranks are stuck: a send/recv "
+            "whose peer never posts the matching call, or a collective that not every rank "
+            "entered, is the usual cause. If the job is only slow, pass run(..., timeout=SECONDS).",
+            "Python stack of every rank at the timeout:",
+        ]
+        for rank in range(n):
+            lines += [
+                f"--- rank {rank} ({'still running' if rank in pending else 'finished'}) ---",
+                _indent(stacks[rank]),
+            ]
+        return RankTimeoutError("\n".join(lines), tuple(sorted(pending)), stacks, timeout)
+
+    def _stack_size(self, rank: int) -> int:
+        try:
+            return os.path.getsize(self.stack_path(rank))
+        except OSError:
+            return 0
+
+    def _read_stack(self, rank: int, offset: int) -> str:
+        try:
+            with open(self.stack_path(rank), errors="replace") as stack_file:
+                stack_file.seek(offset)
+                text = stack_file.read()
+        except OSError:
+            return ""
+        # faulthandler dumps one block per thread; the parent watchdog's is noise.
+        blocks = text.split("\n\n")
+        return "\n\n".join(b for b in blocks if "in _exit_when_orphaned" not in b)
+
+    def dump_stacks(self, offsets: dict[int, int]) -> dict[int, str]:
+        """Every live rank's Python stack, written by faulthandler on SIGUSR1."""
+        live = {r for r, proc in enumerate(self.procs) if proc.is_alive() and r in offsets}
+        for rank in live:
+            try:
+                os.kill(self.procs[rank].pid or 0, signal.SIGUSR1)
+            except OSError:
+                live.discard(rank)
+        deadline, previous = time.monotonic() + STACK_WAIT_S, None
+        while time.monotonic() < deadline:  # until every file has grown and stopped growing
+            sizes = {r: self._stack_size(r) for r in live}
+            if previous == sizes and all(sizes[r] > offsets[r] for r in live):
+                break
+            previous = sizes
+            time.sleep(0.05)
+        stacks = {r: self._read_stack(r, offset) for r, offset in offsets.items()}
+        return {
+            r: text or "(no stack: the process did not answer SIGUSR1)"
+            for r, text in stacks.items()
+        }
+
+    def stop(self, graceful: bool) -> None:
+        if graceful:
+            for conn in self.conns:
+                try:
+                    send(conn, Shutdown())
+                except OSError:
+                    pass
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            for proc in self.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate() if graceful else proc.kill()
+        deadline = time.monotonic() + KILL_GRACE_S
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(KILL_GRACE_S)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns, self.board = [], [], None
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(proc.pid or 0 for proc in self.procs)
