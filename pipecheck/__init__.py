@@ -13,7 +13,7 @@ stays cheap until something is actually used.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import typing  # a module, so no typing names leak into the public namespace
 
 __version__ = "0.1.0"
 
@@ -54,7 +54,7 @@ _SUBMODULES = ("losses", "policies", "schedules", "strategies")
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     elif name in _SUBMODULES:
@@ -69,7 +69,7 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *__all__])
 
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from pipecheck import losses, policies, schedules, strategies
     from pipecheck._check import assert_equivalent
     from pipecheck._errors import (

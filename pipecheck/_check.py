@@ -51,7 +51,7 @@ def eager_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     """
     bound = _bind_signature(model, args, kwargs)  # unknown kwargs: InputError, not forward's TypeError
     chunks = split_microbatches(dict(bound.arguments), n_microbatches)  # errors name the input
-    calls = [inspect.BoundArguments(bound.signature, chunk) for chunk in chunks]  # type: ignore[arg-type]
+    calls = [inspect.BoundArguments(bound.signature, chunk) for chunk in chunks]
     outputs = [model(*call.args, **call.kwargs) for call in calls]
     merged = merge_microbatches(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, outputs))
     if loss_fn is None:

@@ -20,7 +20,7 @@ from pipecheck._errors import InputError
 
 
 def _path(keypath: tuple[Any, ...]) -> str:
-    return pytree.keystr(keypath) or "<value>"
+    return pytree.keystr(keypath)  # "" for a bare tensor: the message reads "target has ..."
 
 
 def split_microbatches(value: Any, n_microbatches: int, what: str = "input") -> list[Any]:

@@ -120,53 +120,69 @@ class _RankRunner:
     def _record(self, category: str, name: str, start: int) -> None:
         self.result.events.append(Event(self.rank, category, name, start, time.monotonic_ns()))
 
+    def _edge_order(self, edges: list[tuple[int, str, int]]) -> list[tuple[int, str, int]]:
+        """Remote edges in one canonical order on both ends, so that backends which match
+        messages by order (NCCL ignores tags) pair every send with its receive."""
+        return sorted(edges, key=self.links.edge_ids.__getitem__)
+
+    def _outgoing(self, s: int) -> list[tuple[int, str, int]]:
+        stage = self.pipe.stages[s]
+        return self._edge_order([(s, name, c) for name in stage.outputs
+                                 for c in self.consumers.get((s, name), ()) if not self._mine(c)])
+
+    def _incoming(self, s: int) -> list[tuple[int, str, int]]:
+        stage = self.pipe.stages[s]
+        return self._edge_order([(src.stage, src.name, s) for src in stage.inputs
+                                 if src.stage is not None and not self._mine(src.stage)])
+
     def forward(self, s: int, mb: int) -> None:
         stage = self.pipe.stages[s]
-        values = []
-        for src in stage.inputs:
-            if src.stage is None:
-                values.append(self.inputs[mb][src.name])
-            elif self._mine(src.stage):
-                values.append(self.local_values[(src.stage, src.name, mb)])
-            else:
-                start = time.monotonic_ns()
-                values.append(self.links.recv_value(src.stage, src.name, s, mb))
-                self._record("recv", f"{s}F{mb}<-{src.stage}", start)
+        received: dict[tuple[int, str], Any] = {}
+        for producer, name, _ in self._incoming(s):
+            start = time.monotonic_ns()
+            received[(producer, name)] = self.links.recv_value(producer, name, s, mb)
+            self._record("recv", f"{s}F{mb}<-{producer}", start)
+        values = [self.inputs[mb][src.name] if src.stage is None
+                  else self.local_values[(src.stage, src.name, mb)] if self._mine(src.stage)
+                  else received[(src.stage, src.name)] for src in stage.inputs]
         start = time.monotonic_ns()
         fwd = stage_forward(stage, values)
         self.forwards[(s, mb)] = fwd
         if s == self.pipe.num_stages - 1:
-            outputs = pytree.tree_unflatten(list(fwd.outputs), self.pipe.out_spec)
-            target = self.targets[mb]
-            loss_fn = self.job.loss_fn or projection_loss
-            if self.job.loss_fn is None:
-                target = default_microbatch_target(outputs, mb)
-            self.loss_values[mb] = check_scalar_loss(loss_fn(outputs, target), loss_fn)
-            self.result.outputs[mb] = _cpu(list(fwd.outputs))
-            self.result.losses[mb] = self.loss_values[mb].detach().cpu()
+            self._loss(fwd, mb)
         self._record("forward", f"{s}F{mb}", start)
-        for name, value in zip(stage.outputs, fwd.outputs):
-            for consumer in self.consumers.get((s, name), ()):
-                if self._mine(consumer):
-                    self.local_values[(s, name, mb)] = value
-                else:
-                    start = time.monotonic_ns()
-                    self.links.send_value(s, name, consumer, mb, value)
-                    self._record("send", f"{s}F{mb}->{consumer}", start)
+        by_name = dict(zip(stage.outputs, fwd.outputs))
+        for name in stage.outputs:
+            if any(self._mine(c) for c in self.consumers.get((s, name), ())):
+                self.local_values[(s, name, mb)] = by_name[name]
+        for _, name, consumer in self._outgoing(s):
+            start = time.monotonic_ns()
+            self.links.send_value(s, name, consumer, mb, by_name[name])
+            self._record("send", f"{s}F{mb}->{consumer}", start)
+
+    def _loss(self, fwd: StageForward, mb: int) -> None:
+        outputs = pytree.tree_unflatten(list(fwd.outputs), self.pipe.out_spec)
+        loss_fn = self.job.loss_fn or projection_loss
+        target = self.targets[mb] if self.job.loss_fn is not None else default_microbatch_target(outputs, mb)
+        self.loss_values[mb] = check_scalar_loss(loss_fn(outputs, target), loss_fn)
+        self.result.outputs[mb] = _cpu(list(fwd.outputs))
+        self.result.losses[mb] = self.loss_values[mb].detach().cpu()
 
     def backward(self, s: int, mb: int) -> None:
         stage = self.pipe.stages[s]
         fwd = self.forwards.pop((s, mb))
+        by_name = dict(zip(stage.outputs, fwd.outputs))
+        received: dict[tuple[str, int], LeafGrads] = {}
+        for _, name, consumer in self._outgoing(s):
+            start = time.monotonic_ns()
+            received[(name, consumer)] = self.links.recv_grads(s, name, consumer, mb, by_name[name])
+            self._record("recv", f"{s}B{mb}<-{consumer}", start)
         out_grads: list[LeafGrads | None] = []
-        for name, value in zip(stage.outputs, fwd.outputs):
+        for name in stage.outputs:
             total: LeafGrads | None = None
-            for consumer in self.consumers.get((s, name), ()):
-                if self._mine(consumer):
-                    grads = self.local_grads.pop((s, name, mb, consumer))
-                else:
-                    start = time.monotonic_ns()
-                    grads = self.links.recv_grads(s, name, consumer, mb, value)
-                    self._record("recv", f"{s}B{mb}<-{consumer}", start)
+            for consumer in self.consumers.get((s, name), ()):  # descending, as the reference sums
+                grads = self.local_grads.pop((s, name, mb, consumer)) if self._mine(consumer) \
+                    else received[(name, consumer)]
                 total = add_leaf_grads(total, grads)
             out_grads.append(total)
         start = time.monotonic_ns()
@@ -175,15 +191,18 @@ class _RankRunner:
                                            1.0 / self.job.n_microbatches)
         add_param_grads(self.result.grads.setdefault(s, {}), p_grads)
         self._record("backward", f"{s}B{mb}", start)
+        sent: dict[tuple[int, str], tuple[Any, LeafGrads]] = {}
         for src, value, grads in zip(stage.inputs, fwd.inputs, in_grads):
             if src.stage is None:
                 self.result.input_grads[(s, src.name, mb)] = _cpu(grads)
             elif self._mine(src.stage):
                 self.local_grads[(src.stage, src.name, mb, s)] = grads
             else:
-                start = time.monotonic_ns()
-                self.links.send_grads(src.stage, src.name, s, mb, value, grads)
-                self._record("send", f"{s}B{mb}->{src.stage}", start)
+                sent[(src.stage, src.name)] = (value, grads)
+        for producer, name, _ in self._incoming(s):
+            start = time.monotonic_ns()
+            self.links.send_grads(producer, name, s, mb, *sent[(producer, name)])
+            self._record("send", f"{s}B{mb}->{producer}", start)
 
     def sync_tied(self) -> None:
         """All-reduce (sum) tied parameters' gradients so every replica holds the full gradient."""

@@ -176,9 +176,10 @@ def _try_resolve(root: nn.Module, target: str) -> Any:
 
 
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint]) -> Traced:
-    _bind_signature(model, args, kwargs)
+    bound = _bind_signature(model, args, kwargs)
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        exported = torch.export.export(model, args, kwargs, strict=False,
+                                       dynamic_shapes=_batch_dynamic_shapes(bound))
     except Exception as err:  # export raises many kinds; the message names the construct
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise TraceError(
@@ -213,25 +214,40 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return Traced(graph, attrs, names, bind, "export", exported.call_spec.out_spec)
 
 
+def _batch_dim(value: Any) -> Any:
+    return {0: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+
+
+def _batch_dynamic_shapes(bound: inspect.BoundArguments) -> dict[str, Any] | None:
+    """Dim 0 of every input tensor is dynamic: the stages run on micro-batches, not on the
+    full batch the model was exported with (a static trace bakes the batch size into
+    reshapes). ``Dim.AUTO`` lets export specialise where the model insists."""
+    params = bound.signature.parameters
+    if any(params[name].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+           for name in bound.arguments):
+        return None
+    return {name: pytree.tree_map(_batch_dim, value) for name, value in bound.arguments.items()}
+
+
 def _place_spec_markers(graph: fx.Graph, split_spec: dict[str, SplitPoint]) -> set[str]:
-    """Insert markers before the first / after the last node run inside each named module."""
-    first: dict[str, fx.Node] = {}
-    last: dict[str, fx.Node] = {}
+    """Insert markers before the first / after the last node run inside each call of each named
+    module. A module called twice is cut at both calls, as the fx tracer does; export tells the
+    calls apart by their ``nn_module_stack`` keys (``L__self___shared``, ``L__self___shared@1``)."""
+    first: dict[tuple[str, str], fx.Node] = {}
+    last: dict[tuple[str, str], fx.Node] = {}
     for node in graph.nodes:
-        for path, _type in (node.meta.get("nn_module_stack") or {}).values():
+        for call, (path, _type) in (node.meta.get("nn_module_stack") or {}).items():
             if path in split_spec:
-                first.setdefault(path, node)
-                last[path] = node
-    for path, point in split_spec.items():
-        if path not in first:
-            continue
-        if point is SplitPoint.BEGINNING:
-            with graph.inserting_before(first[path]):
+                first.setdefault((path, call), node)
+                last[(path, call)] = node
+    for (path, call), node in first.items():
+        if split_spec[path] is SplitPoint.BEGINNING:
+            with graph.inserting_before(node):
                 graph.call_function(PIPE_SPLIT_OP, (), {})
         else:
-            with graph.inserting_after(last[path]):
+            with graph.inserting_after(last[(path, call)]):
                 graph.call_function(PIPE_SPLIT_OP, (), {})
-    return set(first)
+    return {path for path, _call in first}
 
 
 def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint], tracer: str) -> Traced:
