@@ -8,3 +8,7 @@ import os
 
 # The bounded, derandomized profile unless asked otherwise (HYPOTHESIS_PROFILE=dev|nightly).
 os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")
+
+# Tiny tensors, several processes per core under `pytest -n auto` and distributed ranks:
+# intra-op threads only oversubscribe the cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -12,6 +12,7 @@ the failure table, or returns the :class:`Report`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._diagnose import diagnose_grad, diagnose_output
+from pipecheck._diagnose import diagnose_grad, diagnose_output, dropped_skip_hint, matches
 from pipecheck._errors import EngineError, EquivalenceError, InputError, NonFiniteError, PipecheckError
 from pipecheck._job import Job, LossFn, ModelFactory, cast_inputs
 from pipecheck._microbatch import merge_microbatches, split_microbatches
@@ -32,7 +33,7 @@ from pipecheck._reference import DetachExecutor
 from pipecheck._report import Report
 from pipecheck._result import StepResult
 from pipecheck._runners import resolve_runner
-from pipecheck._trace import SplitSpec, _bind_signature
+from pipecheck._trace import SplitSpec, _bind_signature, check_tracer
 from pipecheck.losses import check_scalar_loss, projection_loss, projection_target
 from pipecheck.policies import Policy
 
@@ -52,7 +53,7 @@ def eager_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     bound = _bind_signature(model, args, kwargs)  # unknown kwargs: InputError, not forward's TypeError
     chunks = split_microbatches(dict(bound.arguments), n_microbatches)  # errors name the input
     calls = [inspect.BoundArguments(bound.signature, chunk) for chunk in chunks]
-    outputs = [model(*call.args, **call.kwargs) for call in calls]
+    outputs = [_call_eager(model, call, n_microbatches) for call in calls]
     merged = merge_microbatches(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, outputs))
     if loss_fn is None:
         loss_fn, target = projection_loss, projection_target(merged)
@@ -70,6 +71,42 @@ def eager_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
             grads = {n: g for (n, _), g in zip(params, got) if g is not None}
             input_grads = {n: g for (n, _), g in zip(named_inputs, got[len(params):]) if g is not None}
     return StepResult(merged, loss.detach(), grads, input_grads), target
+
+
+def _call_eager(model: nn.Module, call: inspect.BoundArguments, n_microbatches: int) -> Any:
+    try:
+        return model(*call.args, **call.kwargs)
+    except PipecheckError:
+        raise
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise InputError(
+            f"the eager model failed on one micro-batch of its inputs ({type(err).__name__}: {first}). "
+            f"With n_microbatches={n_microbatches} each call sees 1/{n_microbatches} of the batch. Fix: make "
+            "forward work for any batch size (no hard-coded batch), or use n_microbatches=1."
+        ) from None
+
+
+def _check_deterministic(factory: ModelFactory, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         n_microbatches: int, seed: int) -> None:
+    """Refuse a model whose outputs depend on the RNG: no pipeline can match it, and its spread
+    would widen the auto tolerance until a wrong answer passes."""
+    model = factory()
+    bound = _bind_signature(model, args, kwargs)
+    first = split_microbatches(dict(bound.arguments), n_microbatches)[0]
+    call = inspect.BoundArguments(bound.signature, first)  # type: ignore[arg-type]
+    runs = []
+    for offset in (1, 2):
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed + offset)
+            runs.append(pytree.tree_leaves(_call_eager(model, call, n_microbatches)))
+    for a, b in zip(*runs):
+        if isinstance(a, torch.Tensor) and not torch.equal(a, b) and not (a.isnan() & b.isnan()).any():
+            raise InputError(
+                f"{type(model).__name__} is not deterministic: two eager runs with different RNG seeds give "
+                "different outputs (dropout or another random op in train mode?). No pipeline can match it. "
+                "Fix: check the model in eval mode (model.eval()) or without its random ops."
+            )
 
 
 def _grad_inputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -126,6 +163,7 @@ def assert_equivalent(
     every failing tensor, or returns the :class:`pipecheck.Report`.
     """
     tolerance = check_tolerance(tolerance)
+    check_tracer(tracer)
     if loss_fn is None and target is not None:
         raise InputError("target was given without loss_fn. Fix: pass loss_fn=..., or drop target to use "
                          "the default random-projection loss.")
@@ -138,8 +176,11 @@ def assert_equivalent(
     timings: dict[str, float] = {}
 
     started = time.perf_counter()
-    eager, target_used = eager_step(factory(), args, call_kwargs, loss_fn, target, n_microbatches, check_grads)
+    with torch.random.fork_rng(devices=[]):  # the user's RNG stream is left as it was
+        torch.manual_seed(seed)
+        eager, target_used = eager_step(factory(), args, call_kwargs, loss_fn, target, n_microbatches, check_grads)
     timings["eager_s"] = time.perf_counter() - started
+    _check_deterministic(factory, args, call_kwargs, n_microbatches, seed)
     started = time.perf_counter()
     ref64, _ = eager_step(factory().to(torch.float64), _to64(args), _to64(call_kwargs), loss_fn or projection_loss,
                           _to64(target_used), n_microbatches, check_grads)
@@ -152,8 +193,8 @@ def assert_equivalent(
               device=str(device or "cpu"), timeout=timeout, options=dict(options or {}))
     pipe = job.split()  # for stage attribution and hints; the splitter is cheap
     started = time.perf_counter()
-    try:
-        result = run(job)
+    try:  # the runner gets its own copy: what it changes must not alter the diagnosis
+        result = run(dataclasses.replace(job, kwargs=dict(job.kwargs), options=dict(job.options)))
     except PipecheckError:
         raise
     except Exception as err:
@@ -213,11 +254,29 @@ def _compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, re
             hint = diagnose_grad(test, ref64.grads[fqn], job.n_microbatches, shares)
             if hint:
                 hints[row.name] = hint
+    _diagnose_dropped_skips(pipe, job, result, rows, hints)
     for name, e_grad in eager.input_grads.items():
         consumers = tuple(e.dst for e in pipe.edges if e.src is None and e.name == name)
         rows.append(compare(f"grad input {name}", result.input_grads.get(name), e_grad,
                             ref64.input_grads[name], tolerance, consumers))
     return rows, hints
+
+
+def _diagnose_dropped_skips(pipe: Pipe, job: Job, result: StepResult, rows: list[Row],
+                            hints: dict[str, str]) -> None:
+    """Failing gradients with no hint yet: do they match the reference with one skip edge's
+    gradient dropped? (One what-if reference run per skip edge, only on failure.)"""
+    failing = {row.name.removeprefix("grad "): result.grads[row.name.removeprefix("grad ")] for row in rows
+               if row.name.startswith("grad ") and not row.ok and row.numel and row.name not in hints
+               and isinstance(result.grads.get(row.name.removeprefix("grad ")), torch.Tensor)}
+    skips = sorted({(e.src, e.name, e.dst) for e in pipe.edges if e.src is not None and e.dst - e.src > 1})
+    for producer, name, consumer in skips if failing else ():
+        what_if = DetachExecutor(job.split(), drop_gradients=[(producer, name, consumer)]).step(
+            job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target, n_microbatches=job.n_microbatches)
+        if all(fqn in what_if.grads and matches(test, what_if.grads[fqn]) for fqn, test in failing.items()):
+            for fqn in failing:
+                hints[f"grad {fqn}"] = dropped_skip_hint(name, producer, consumer)
+            return
 
 
 def _leaves_like(outputs: Any, spec: pytree.TreeSpec) -> list[Any]:

@@ -70,3 +70,14 @@ def diagnose_output(test: torch.Tensor, truth: torch.Tensor, n_microbatches: int
                 "merge micro-batch outputs in micro-batch order")
     return None
 
+
+
+def dropped_skip_hint(name: str, producer: int, consumer: int) -> str:
+    return (f"skip-connection gradient dropped: the gradients match a run in which the gradient of "
+            f"{name!r} (stage {producer} -> stage {consumer}) never flows back; send it straight back "
+            "to the producing stage")
+
+
+def matches(test: torch.Tensor, candidate: torch.Tensor) -> bool:
+    """Loose equality for what-if runs (a hint, not a verdict)."""
+    return test.shape == candidate.shape and _close(test.detach().cpu(), candidate.detach().cpu(), _rel(test.dtype))

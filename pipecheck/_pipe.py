@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from pipecheck._errors import SplitError
 from pipecheck._markers import PIPE_SPLIT_OP, is_marker
-from pipecheck._trace import SplitSpec, Traced, normalize_split_spec, trace
+from pipecheck._trace import SplitSpec, Traced, check_tracer, normalize_split_spec, trace
 from pipecheck.policies import Policy, Unit, validate_cuts
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -321,8 +321,7 @@ def split(model: ModelLike, args: Sequence[Any] | Any, kwargs: Mapping[str, Any]
     if split_spec is not None and policy is not None:
         raise SplitError("both split_spec and policy were given; they disagree on where to cut. "
                          "Fix: pass one of them.")
-    if tracer not in ("fx", "export"):
-        raise SplitError(f"tracer={tracer!r} is not known. Fix: use tracer='fx' (default) or tracer='export'.")
+    check_tracer(tracer)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     copied = copy.deepcopy(resolve_model(model))
     spec = normalize_split_spec(copied, split_spec or {})

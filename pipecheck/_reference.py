@@ -13,7 +13,7 @@ tied parameters (one parameter in several stages) are summed explicitly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,8 +46,11 @@ def sum_stage_grads(per_stage: Sequence[Mapping[str, torch.Tensor]]) -> dict[str
 class DetachExecutor:
     """Single-process reference runner of a :class:`pipecheck.Pipe`."""
 
-    def __init__(self, pipe: Pipe) -> None:
+    def __init__(self, pipe: Pipe, *, drop_gradients: Iterable[tuple[int, str, int]] = ()) -> None:
+        """``drop_gradients``: (producer stage, value name, consumer stage) edges whose gradient is
+        discarded instead of sent back — a what-if run, used to recognise that bug in an engine."""
         self.pipe = pipe
+        self.drop_gradients = frozenset(drop_gradients)
 
     def forward_microbatch(self, inputs: Mapping[str, Any]) -> list[StageForward]:
         """All stages' forwards of one micro-batch, in stage order."""
@@ -70,6 +73,8 @@ class DetachExecutor:
             in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss if last else None, loss_scale)
             add_param_grads(param_grads[stage.index], p_grads)
             for src, grads in zip(stage.inputs, in_grads):
+                if src.stage is not None and (src.stage, src.name, stage.index) in self.drop_gradients:
+                    continue
                 key = (src.stage, src.name)
                 pending[key] = add_leaf_grads(pending.get(key), grads)
         return {name: grads for (stage, name), grads in pending.items() if stage is None}

@@ -87,7 +87,10 @@ class _SplitTracer(fx.Tracer):
     """An fx tracer that puts a ``pipe_split`` node before/after each module named in the spec."""
 
     def __init__(self, split_spec: dict[str, SplitPoint]) -> None:
-        super().__init__()
+        # Buffers as get_attr nodes, not folded into constants: a stage must read the
+        # buffer itself (it may change between steps), and str(pipe) must list it.
+        super().__init__(param_shapes_constant=False)
+        self.proxy_buffer_attributes = True
         self.split_spec = split_spec
         self.called: set[str] = set()
 
@@ -248,6 +251,11 @@ def _place_spec_markers(graph: fx.Graph, split_spec: dict[str, SplitPoint]) -> s
             with graph.inserting_after(last[(path, call)]):
                 graph.call_function(PIPE_SPLIT_OP, (), {})
     return {path for path, _call in first}
+
+
+def check_tracer(tracer: str) -> None:
+    if tracer not in ("fx", "export"):
+        raise SplitError(f"tracer={tracer!r} is not known. Fix: use tracer='fx' (default) or tracer='export'.")
 
 
 def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint], tracer: str) -> Traced:
