@@ -142,3 +142,26 @@ def test_world_size_that_does_not_fit_the_schedule_is_a_clear_error(pipecheck_wo
     args, _ = entry.inputs()
     with pytest.raises(pc.InputError, match="needs 4 ranks but the World has 2"):
         pc.run_pipeline(pipecheck_world(2), entry.factory(), args, n_microbatches=4)
+
+
+@pytest.mark.gpu(n=1)
+def test_ranks_sharing_one_gpu_match_eager():
+    """Fewer GPUs than ranks: the ranks share the GPU and stage tensors through gloo on CPU."""
+    entry = get("skip_one")
+    args, kwargs = entry.inputs()
+    with pc.World(entry.num_stages, device="cuda") as world:
+        report = pc.assert_equivalent(entry.factory(), args, kwargs, runner="distributed", device="cuda",
+                                      n_microbatches=4, options={"world": world})
+    assert report.ok
+
+
+@pytest.mark.gpu(n=2)
+def test_one_gpu_per_rank_over_nccl_matches_eager():
+    entry = get("tiny_gpt")
+    args, _ = entry.inputs()
+    with pc.World(2, device="cuda") as world:
+        assert world.properties.backend == "nccl"
+        report = pc.assert_equivalent(entry.factory("spec"), args, runner="distributed", device="cuda",
+                                      policy=pc.policies.balanced_params(2), loss_fn=entry.loss_fn,
+                                      target=entry.target(), n_microbatches=4, options={"world": world})
+    assert report.ok
