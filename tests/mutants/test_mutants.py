@@ -1,0 +1,51 @@
+"""Planted bugs: every mutant runner is caught by assert_equivalent on every zoo model it declares,
+with the right tensor named and the right hint; the correct base runner passes on the whole zoo."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import pipecheck as pc
+
+from .runners import ALL, MUTANTS, BaseRunner, cases, check
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    # Tiny tensors: intra-op threads only contend with each other (25x slower on a busy machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model", ALL)
+def test_base_runner_passes(model: str) -> None:
+    report = check(BaseRunner(), model)
+    assert report.ok
+
+
+@pytest.mark.parametrize("runner,model", [pytest.param(r, m, id=f"{r.name}-{m}") for r, m in cases()])
+def test_mutant_is_caught(runner: BaseRunner, model: str) -> None:
+    with pytest.raises(pc.EquivalenceError) as caught:
+        check(runner, model)
+    report = caught.value.report
+    failing = [row.name for row in report.failures]
+    expected = runner.expect(model)
+    assert expected, f"{runner.name} declares {model} but expects no tensor"
+    assert set(expected) <= set(failing), f"expected {expected} among failures {failing}"
+    for name in expected:
+        assert name in str(caught.value)
+    hint = runner.expected_hint(model)
+    if hint is not None:
+        assert hint in report.hints.get(expected[0], ""), report.hints
+
+
+def test_suite_covers_every_planted_bug() -> None:
+    assert len(MUTANTS) >= 12
+    assert {model for runner in MUTANTS.values() for model in runner.applies_to} == set(ALL)
+    for runner in MUTANTS.values():
+        assert set(runner.applies_to) <= set(ALL), runner.name

@@ -1,0 +1,227 @@
+"""runner="torch": torch.distributed.pipelining on pipecheck's World, checked against eager.
+
+torch runs the plain zoo models correctly; it cannot run skip connections across
+more than one stage or kwargs consumed after stage 0 (EngineError with torch's
+own message, rank and stage); it runs tied weights but never sums the replicas'
+gradients, which the check reports as "tied parameter not synchronised".
+
+Tests that make torch fail on a rank come last per world size: a rank failure
+stops that World's processes, and the next test on it starts fresh ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from pipecheck.fixtures import get
+
+import pipecheck as pc
+from pipecheck._torch_runner import _alias_table, as_step_error, policy_module_cuts, stage_grads
+
+N_MICROBATCHES = 4
+
+
+@pytest.fixture(autouse=True)
+def _quiet_torch_export() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def check(world: pc.World, name: str, style: str | None = None, *, model: Any = None,
+          **overrides: Any) -> pc.Report:
+    entry = get(name)
+    style = style or entry.cut_styles[0]
+    args, kwargs = entry.inputs()
+    settings = {"loss_fn": entry.loss_fn, "target": entry.target(), "n_microbatches": N_MICROBATCHES,
+                **entry.cut(style), **overrides}
+    return pc.assert_equivalent(entry.factory(style) if model is None else model, args, kwargs, runner="torch",
+                                options={"world": world}, **settings)
+
+
+# --- no World needed ------------------------------------------------------------------------------
+
+
+def test_policy_cuts_become_module_split_points() -> None:
+    entry = get("mlp")
+    args, kwargs = entry.inputs()
+    pipe = pc.split(entry.factory("policy"), args, kwargs, **entry.cut("policy"))
+    assert policy_module_cuts(pipe) == {"layers.1.fc": pc.SplitPoint.BEGINNING,
+                                        "layers.2.fc": pc.SplitPoint.BEGINNING,
+                                        "layers.3.fc": pc.SplitPoint.BEGINNING}
+
+
+def test_policy_cut_torch_cannot_express_is_an_engine_error() -> None:
+    entry = get("mlp")
+    args, kwargs = entry.inputs()
+    pipe = pc.split(entry.factory("policy"), args, kwargs, tracer="export", **entry.cut("policy"))
+    with pytest.raises(pc.EngineError, match="not supported by torch"):
+        policy_module_cuts(pipe)
+
+
+def test_torch_stage_parameter_names_map_back_to_original_fqns() -> None:
+    from torch.distributed.pipelining import pipeline
+
+    from pipecheck._torch_runner import _translate_markers
+
+    model = get("alias_reuse").factory("markers")()
+    names, by_id = _alias_table(model)
+    (x,), _ = get("alias_reuse").inputs()
+    pipe = pipeline(model, (x[:2],), {}, split_policy=_translate_markers(True))
+    assert "shared@1" in {n.target for n in pipe.get_stage_module(2).graph.nodes}  # 2nd call, renamed
+    seen: dict[int, set[str]] = {}
+    for s in range(pipe.num_stages):
+        module = pipe.get_stage_module(s)
+        for param in module.parameters():
+            param.grad = torch.ones_like(param)
+        grads, unmapped = stage_grads(module, names, by_id)
+        assert unmapped == []
+        seen[s] = set(grads)
+    assert {"proj.weight", "shared.fc.weight"} <= seen[0]
+    assert {"proj.weight", "shared.fc.weight", "head.bias"} <= seen[2]  # head.weight is proj.weight
+
+
+def test_torch_failure_message_is_the_wrapped_cause_with_torch_context() -> None:
+    try:
+        try:
+            raise TypeError("forward() got an unexpected keyword argument 'bias'")
+        except TypeError as cause:
+            raise RuntimeError("\n    [Stage 0] failed to run forward:\n    args: ...") from cause
+    except RuntimeError as err:
+        step_error = as_step_error(err)
+    assert step_error.message == "TypeError: forward() got an unexpected keyword argument 'bias'"
+    assert step_error.context == "[Stage 0] failed to run forward"
+
+
+def test_unknown_schedule_is_refused_before_any_rank_runs() -> None:
+    entry = get("mlp")
+    args, kwargs = entry.inputs()
+    with pytest.raises(pc.ScheduleError, match="unknown schedule"):
+        pc.assert_equivalent(entry.factory(), args, kwargs, runner="torch", schedule="zb", n_microbatches=4)
+
+
+def test_targets_torch_cannot_chunk_travel_as_microbatch_indices() -> None:
+    from pipecheck._job import Job
+    from pipecheck._torch_runner import TorchStepError, _LossOfMicrobatch, _torch_target
+
+    target = {"w": torch.randn(8, 2), "unused": torch.zeros(())}  # a pytree with a 0-dim leaf
+    sent, by_index = _torch_target(target, 4, torch.device("cpu"))
+    assert by_index and torch.equal(sent, torch.arange(4))
+    job = Job(model=torch.nn.Identity, args=(), loss_fn=lambda out, tgt: (out["w"] * tgt["w"]).sum(),
+              target=target, n_microbatches=4)
+    out_spec = torch.utils._pytree.tree_flatten({"w": torch.zeros(1)})[1]
+    chunks = pc.split_microbatches(target, 4, "target")
+    loss = _LossOfMicrobatch(job, chunks, by_index, out_spec)
+    output = torch.ones(2, 2)  # torch's last stage returns flat leaves; the loss sees the model's structure
+    assert torch.equal(loss(output, sent.tensor_split(4)[2]), chunks[2]["w"].sum())
+    tensor_target = torch.randn(8, 2)
+    plain = _LossOfMicrobatch(dataclasses.replace(job, target=tensor_target), list(tensor_target.split(2)), False,
+                              out_spec)
+    with pytest.raises(TorchStepError, match="chunked the target differently"):
+        plain(output, tensor_target[2:4])  # micro-batch 0 given micro-batch 1's chunk
+
+
+# --- torch runs it right ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,style,schedule", [
+    ("mlp", "markers", "1f1b"),
+    ("mlp", "spec", "gpipe"),
+    ("mlp", "policy", "1f1b"),
+    ("mlp", "markers", "interleaved"),
+    ("nested_spec", "spec", "1f1b"),
+])
+def test_torch_matches_eager_on_four_stage_models(pipecheck_world, name, style, schedule) -> None:
+    report = check(pipecheck_world(4), name, style, schedule=schedule)
+    assert report.ok and report.runner == "torch" and report.num_stages == 4
+
+
+def test_torch_interleaved_two_stages_per_rank(pipecheck_world) -> None:
+    assert check(pipecheck_world(2), "mlp", schedule="interleaved", stages_per_rank=2).ok
+
+
+def test_torch_split_spec_leaves_the_users_module_alone(pipecheck_world) -> None:
+    entry = get("mlp")
+    model = entry.factory("spec")()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    check(pipecheck_world(4), "mlp", "spec", model=model)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_torch_does_not_scale_input_gradients(pipecheck_world) -> None:
+    # torch's scale_grads divides parameter gradients by n_microbatches, never the gradients it
+    # accumulates into the step's (full-batch) inputs: those come back n_microbatches times too large.
+    entry = get("mlp")
+    (x,), kwargs = entry.inputs()
+    with pytest.raises(pc.EquivalenceError) as caught:
+        pc.assert_equivalent(entry.factory(), (x.requires_grad_(),), kwargs, runner="torch",
+                             n_microbatches=N_MICROBATCHES, options={"world": pipecheck_world(4)})
+    report = caught.value.report
+    assert [row.name for row in report.failures] == ["grad input x"]
+    assert report.row("grad input x").max_rel == pytest.approx(N_MICROBATCHES - 1, rel=1e-4)
+
+
+# --- torch runs it, wrongly: tied weights -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,tensor,stages", [
+    pytest.param("tiny_gpt", "grad tok_emb.weight", "0, 3", id="tiny_gpt"),
+    pytest.param("alias_reuse", "grad proj.weight", "0, 2", id="alias_reuse"),
+])
+def test_torch_tied_weights_are_not_synchronised(pipecheck_world, name, tensor, stages) -> None:
+    entry = get(name)
+    with pytest.raises(pc.EquivalenceError) as caught:
+        check(pipecheck_world(entry.num_stages), name)
+    report = caught.value.report
+    assert tensor in [row.name for row in report.failures]
+    assert "tied parameter not synchronised" in report.hints[tensor]
+    assert f"stages {stages} hold replicas" in report.hints[tensor]
+    assert tensor in str(caught.value)
+
+
+def test_buffers_model_passes_on_three_ranks(pipecheck_world) -> None:
+    assert check(pipecheck_world(3), "buffers").ok
+
+
+def test_outputs_of_a_middle_stage_are_an_engine_error_and_the_world_survives(pipecheck_world) -> None:
+    world = pipecheck_world(3)
+    check(world, "buffers")  # the world is up
+    pids = world.pids
+    with pytest.raises(pc.EngineError) as caught:
+        check(world, "dict_outputs")
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "torch returns only last-stage outputs; output['extra'][0] is stage 1's"
+    assert lines[1].startswith("torch.distributed.pipelining failed on rank 0, stage 0, before running the schedule")
+    assert world.pids == pids  # every rank refused before communicating: no restart
+
+
+# --- torch cannot run it: EngineError with torch's message (these stop the World) ---------------------
+
+
+SKIP = "Backward of skip connections not supported yet"
+
+
+@pytest.mark.parametrize("name,message,inside,rank", [
+    pytest.param("kwarg_last", "TypeError: forward() got an unexpected keyword argument 'bias'",
+                 " (inside torch: [Stage 0] failed to run forward)", 0, id="kwarg_last"),
+    pytest.param("skip_one", SKIP, "", 0, id="skip_one"),
+    pytest.param("long_skip", SKIP, "", 0, id="long_skip"),
+    pytest.param("encoder_decoder", SKIP, "", 0, id="encoder_decoder"),
+])
+def test_what_torch_cannot_run_is_an_engine_error(pipecheck_world, name, message, inside, rank) -> None:
+    entry = get(name)
+    with pytest.raises(pc.EngineError) as caught:
+        check(pipecheck_world(entry.num_stages), name)
+    err = caught.value
+    lines = str(err).splitlines()
+    assert lines[0] == message  # what `python -m pipecheck zoo` shows in the torch column
+    assert lines[1].startswith(f"torch.distributed.pipelining failed on rank {rank}, stage 0, in schedule.step"
+                               f"{inside}; schedule '1f1b'")
+    assert (err.rank, err.stage, err.engine) == (rank, 0, "torch.distributed.pipelining")  # type: ignore[attr-defined]
+    assert isinstance(err.__cause__, pc.WorldError)
