@@ -257,8 +257,14 @@ def _compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, re
     _diagnose_dropped_skips(pipe, job, result, rows, hints)
     for name, e_grad in eager.input_grads.items():
         consumers = tuple(e.dst for e in pipe.edges if e.src is None and e.name == name)
-        rows.append(compare(f"grad input {name}", result.input_grads.get(name), e_grad,
-                            ref64.input_grads[name], tolerance, consumers))
+        row = compare(f"grad input {name}", result.input_grads.get(name), e_grad, ref64.input_grads[name],
+                      tolerance, consumers)
+        rows.append(row)
+        test = result.input_grads.get(name)
+        if not row.ok and row.numel and isinstance(test, torch.Tensor):
+            hint = diagnose_grad(test, ref64.input_grads[name], job.n_microbatches)
+            if hint:
+                hints[row.name] = hint
     return rows, hints
 
 

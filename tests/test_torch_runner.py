@@ -165,6 +165,7 @@ def test_torch_does_not_scale_input_gradients(pipecheck_world) -> None:
     report = caught.value.report
     assert [row.name for row in report.failures] == ["grad input x"]
     assert report.row("grad input x").max_rel == pytest.approx(N_MICROBATCHES - 1, rel=1e-4)
+    assert report.hints["grad input x"].startswith("gradient scaling: gradient is n_microbatches (=4) times too large")
 
 
 # --- torch runs it, wrongly: tied weights -------------------------------------------------------------
