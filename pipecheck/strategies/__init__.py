@@ -1,20 +1,24 @@
-"""Hypothesis strategies that generate random models for pipeline checks.
+"""Hypothesis strategies that generate random models and pipeline checks.
 
 ::
 
     from hypothesis import given
     from pipecheck import strategies as pst
 
-    @given(pst.models(max_layers=4))
-    def test_split_matches_eager(spec):
-        model, (args, kwargs) = pst.build(spec), pst.make_inputs(spec)
-        ...
+    @given(pst.pipeline_cases(dtypes=(torch.float32, torch.bfloat16)))
+    def test_pipeline_matches_eager(case):
+        case.check()          # pc.assert_equivalent(...), with the repro in any failure
 
-A failing example shrinks to a small :class:`ModelSpec`; ``pst.to_source(spec)``
-prints a script that rebuilds it with nothing but torch.
+``models()`` draws a :class:`ModelSpec`, ``cut_points(spec)`` its split_specs,
+``inputs(spec)`` its inputs, ``pipeline_cases()`` a whole :class:`PipelineCase`.
+A failing example shrinks to a small case; ``case.repro()`` (appended to the
+error by ``case.check()``) is a script that rebuilds the model with nothing but
+torch and makes the exact failing ``pc.assert_equivalent`` call.
 """
 
 from pipecheck.strategies._internal.builder import build, make_inputs, to_source
+from pipecheck.strategies._internal.cases import PipelineCase, pipeline_cases
+from pipecheck.strategies._internal.cuts import CROSSINGS, CUT_KINDS, cut_points
 from pipecheck.strategies._internal.description import (
     FEATURES,
     InputSpec,
@@ -23,17 +27,24 @@ from pipecheck.strategies._internal.description import (
     OutputSpec,
     features,
 )
+from pipecheck.strategies._internal.inputs import inputs
 from pipecheck.strategies._internal.models import models
 
 __all__ = [
+    "CROSSINGS",
+    "CUT_KINDS",
     "FEATURES",
     "InputSpec",
     "LayerSpec",
     "ModelSpec",
     "OutputSpec",
+    "PipelineCase",
     "build",
+    "cut_points",
     "features",
+    "inputs",
     "make_inputs",
     "models",
+    "pipeline_cases",
     "to_source",
 ]

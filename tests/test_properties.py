@@ -1,0 +1,73 @@
+"""Generated pipeline checks: random models, cuts, micro-batches and schedules match eager.
+
+    HYPOTHESIS_PROFILE=nightly PIPECHECK_FEATURE_COUNTS=/tmp/counts.jsonl \\
+        python -m pytest tests/test_properties.py -q
+    python benchmarks/bench_strategies.py --feature-counts /tmp/counts.jsonl
+
+The number of examples comes from the hypothesis profile (``ci`` by default).
+With ``PIPECHECK_FEATURE_COUNTS`` set, every case run appends one JSON line
+(test, runner, dtype, stages, schedule, micro-batches, features) to that file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+
+from pipecheck import strategies as pst
+
+FP32 = pst.pipeline_cases()
+BF16 = pst.pipeline_cases(dtypes=(torch.bfloat16,))
+DISTRIBUTED = pst.pipeline_cases(runners=("distributed",), max_world_size=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread() -> Any:
+    """The generated models are at most 16 wide: a second intra-op thread only waits for a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def record(test: str, case: pst.PipelineCase) -> None:
+    """Append what ``case`` exercises to $PIPECHECK_FEATURE_COUNTS, when it is set."""
+    path = os.environ.get("PIPECHECK_FEATURE_COUNTS")
+    if not path:
+        return
+    line = {"test": test, "runner": case.runner, "dtype": str(case.dtype).replace("torch.", ""),
+            "stages": case.num_stages, "world_size": case.world_size,
+            "stages_per_rank": case.stages_per_rank, "schedule": case.schedule,
+            "n_microbatches": case.n_microbatches, "layers": len(case.spec.layers),
+            "features": sorted(case.features())}
+    with open(path, "a") as out:
+        out.write(json.dumps(line) + "\n")
+
+
+@given(FP32)
+def test_generated_cases_match_eager_in_fp32_on_the_reference_runner(
+    case: pst.PipelineCase,
+) -> None:
+    record("reference-fp32", case)
+    case.check("reference")
+
+
+@given(BF16)
+def test_generated_cases_match_eager_in_bf16_on_the_reference_runner(
+    case: pst.PipelineCase,
+) -> None:
+    record("reference-bf16", case)
+    case.check("reference")
+
+
+@given(DISTRIBUTED)
+def test_generated_cases_match_eager_on_the_distributed_runtime(
+    pipecheck_world: Any, case: pst.PipelineCase,
+) -> None:
+    record("distributed-fp32", case)
+    case.check("distributed", options={"world": pipecheck_world(case.world_size)})
