@@ -88,7 +88,12 @@ class TorchPlan:
     n_stages: int
     module_cuts: dict[str, SplitPoint]  # module FQN -> cut before/after its call
     keep_markers: bool  # False for a policy: pipecheck drops the model's markers then
-    out_spec: pytree.TreeSpec  # the model's output structure (torch's stages return flat leaves)
+    out_spec_json: str  # the model's output structure (torch's stages return flat leaves); a TreeSpec
+    # itself pickles only with a deprecation warning, so it travels as treespec_dumps text
+
+    @property
+    def out_spec(self) -> pytree.TreeSpec:
+        return pytree.treespec_loads(self.out_spec_json)
 
 
 @dataclass
@@ -163,7 +168,7 @@ def make_plan(job: Job, pipe: Pipe) -> TorchPlan:
     else:
         cuts = normalize_split_spec(job.build_model(), job.split_spec or {})
         keep_markers = True
-    return TorchPlan(dataclasses.replace(job, options={}), pipe.num_stages, cuts, keep_markers, pipe.out_spec)
+    return TorchPlan(dataclasses.replace(job, options={}), pipe.num_stages, cuts, keep_markers, pytree.treespec_dumps(pipe.out_spec))
 
 
 def run_torch(job: Job) -> StepResult:
