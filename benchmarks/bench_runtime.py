@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from pipecheck.fixtures import get
 
 import pipecheck as pc
 from pipecheck._runtime import RankPlan, _RankRunner, make_plan, merge_rank_results, rank_step
 from pipecheck._timeline import bubble_fraction
-from pipecheck.fixtures import get
 
 try:
     from _results import machine, median, write_section

@@ -24,8 +24,14 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._diagnose import diagnose_grad, diagnose_output, dropped_skip_hint, matches
-from pipecheck._errors import EngineError, EquivalenceError, InputError, NonFiniteError, PipecheckError
-from pipecheck._job import Job, LossFn, ModelFactory, cast_inputs
+from pipecheck._errors import (
+    EngineError,
+    EquivalenceError,
+    InputError,
+    NonFiniteError,
+    PipecheckError,
+)
+from pipecheck._job import Job, LossFn, ModelFactory, cast_inputs, seeded
 from pipecheck._microbatch import merge_microbatches, split_microbatches
 from pipecheck._numerics import Row, ToleranceLike, check_tolerance, compare, nonfinite
 from pipecheck._pipe import Pipe
@@ -97,8 +103,7 @@ def _check_deterministic(factory: ModelFactory, args: tuple[Any, ...], kwargs: d
     call = inspect.BoundArguments(bound.signature, first)  # type: ignore[arg-type]
     runs = []
     for offset in (1, 2):
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(seed + offset)
+        with seeded(seed + offset), torch.no_grad():
             runs.append(pytree.tree_leaves(_call_eager(model, call, n_microbatches)))
     for a, b in zip(*runs):
         if isinstance(a, torch.Tensor) and not torch.equal(a, b) and not (a.isnan() & b.isnan()).any():
@@ -176,8 +181,7 @@ def assert_equivalent(
     timings: dict[str, float] = {}
 
     started = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):  # the user's RNG stream is left as it was
-        torch.manual_seed(seed)
+    with seeded(seed):  # the user's RNG streams are left as they were
         eager, target_used = eager_step(factory(), args, call_kwargs, loss_fn, target, n_microbatches, check_grads)
     timings["eager_s"] = time.perf_counter() - started
     _check_deterministic(factory, args, call_kwargs, n_microbatches, seed)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import sys
@@ -80,11 +81,10 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         call_args, call_kwargs = entry.inputs()
         cells = [entry.name, str(entry.num_stages), style]
         for runner in runners:
-            def run(runner: str = runner) -> Any:
-                return pc.assert_equivalent(
-                    entry.factory(style), call_args, call_kwargs, runner=runner, loss_fn=entry.loss_fn,
-                    target=entry.target(), n_microbatches=args.n_microbatches, schedule=args.schedule,
-                    dtype=_dtype(args.dtype), timeout=args.timeout, **entry.cut(style))
+            run = functools.partial(
+                pc.assert_equivalent, entry.factory(style), call_args, call_kwargs, runner=runner,
+                loss_fn=entry.loss_fn, target=entry.target(), n_microbatches=args.n_microbatches,
+                schedule=args.schedule, dtype=_dtype(args.dtype), timeout=args.timeout, **entry.cut(style))
             text, ok = _cell(run)
             failed_ours += (not ok) and runner != "torch"
             cells.append(text)

@@ -11,6 +11,7 @@ never arrived, outputs whose micro-batches are permuted.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import torch
 
 

@@ -13,8 +13,9 @@ picklable zero-argument factory, which is what travels to worker processes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,6 +31,22 @@ from pipecheck.policies import Policy
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run a block with every RNG seeded, and leave the caller's RNG states exactly as they were.
+
+    ``torch.manual_seed`` would also queue a lazy reseed of CUDA that ``fork_rng(devices=[])``
+    never undoes; CUDA is seeded (and restored) only where it is already initialised.
+    """
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.manual_seed_all(seed)
+        yield
+
+
 @dataclass
 class ModelFactory:
     """Builds the model under test: seeded, deep-copied or freshly made, cast to dtype/device.
@@ -43,8 +60,7 @@ class ModelFactory:
     seed: int = 0
 
     def __call__(self) -> nn.Module:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
+        with seeded(self.seed):
             if isinstance(self.source, nn.Module):
                 model = copy.deepcopy(self.source)
             else:

@@ -46,7 +46,7 @@ from pipecheck._stage_step import (
 from pipecheck._timeline import Event, write_chrome_trace
 from pipecheck._world import World
 from pipecheck.losses import check_scalar_loss, default_microbatch_target, projection_loss
-from pipecheck.schedules import Action, Schedule, make_schedule
+from pipecheck.schedules import Schedule, make_schedule
 
 
 @dataclass

@@ -35,15 +35,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _register_hypothesis_profiles() -> None:
     try:
-        from hypothesis import HealthCheck, settings
+        from hypothesis import HealthCheck, Phase, settings
     except ImportError:  # pragma: no cover - hypothesis is a dependency
         return
     slow = [HealthCheck.too_slow, HealthCheck.data_too_large]
+    # No explain phase: after a failure it re-runs the shrunk case hundreds of times (a minute
+    # per failing test here), and the repro script pipecheck prints already says what failed.
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
     settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None,
-                              suppress_health_check=slow, print_blob=True)
+                              suppress_health_check=slow, print_blob=True, phases=phases)
     settings.register_profile("dev", max_examples=100, deadline=None, suppress_health_check=slow)
     settings.register_profile("nightly", max_examples=500, deadline=None, suppress_health_check=slow,
-                              print_blob=True)
+                              print_blob=True, phases=phases)
     profile = os.environ.get("HYPOTHESIS_PROFILE")
     if profile:
         settings.load_profile(profile)
