@@ -27,8 +27,7 @@ def _matrix() -> list[object]:
             for n_mb in (1, 2, 4, 8):
                 if schedule == "interleaved" and per_rank > 1 and n_mb % world_size:
                     continue  # interleaved 1F1B needs micro-batches in multiples of the ranks
-                marks = [] if n_mb in (1, 4) or schedule == "1f1b" else [pytest.mark.slow]
-                cases.append(pytest.param(entry, style, schedule, per_rank, world_size, n_mb, marks=marks,
+                cases.append(pytest.param(entry, style, schedule, per_rank, world_size, n_mb,
                                           id=f"{entry.name}-{schedule}-x{per_rank}-ws{world_size}-mb{n_mb}"))
     return cases
 
