@@ -101,7 +101,7 @@ class Links:
         if mb == 0 or self.layouts[eid].resend:
             size = self._recv((1,), torch.int64, src, self._tag(edge, mb, False, 0))
             payload = self._recv((int(size.item()),), torch.uint8, src, self._tag(edge, mb, False, 1))
-            self.layouts[eid] = pickle.loads(payload.cpu().numpy().tobytes())
+            self.layouts[eid] = pickle.loads(bytes(payload.cpu().tolist()))  # small; no numpy needed
         layout = self.layouts[eid]
         leaves: list[Any] = []
         slot = 2
