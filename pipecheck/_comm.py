@@ -8,8 +8,11 @@
 Every message has its own tag (edge, micro-batch, direction, leaf), so
 messages never match the wrong receive whatever order ranks run in. A value's
 layout (pytree structure, shapes, dtypes, requires_grad, non-tensor leaves) is
-sent once, with micro-batch 0, and cached on both sides; again with every
-micro-batch only when the value holds non-tensor leaves. Gradients need no
+sent on the edge's first use and cached on both sides (for the life of the
+Links, so repeated steps skip it); again with every micro-batch only when the
+value holds non-tensor leaves. Once a layout is known, the receives of a later
+action can be posted ahead of time (``post_value`` / ``post_grads``) and
+waited on when the action runs (``finish_value`` / ``finish_grads``). Gradients need no
 layout: the producer knows its own outputs' shapes, and every leaf that
 requires grad gets a tensor (zeros where the consumer produced none).
 """
@@ -17,7 +20,7 @@ requires grad gets a tensor (zeros where the consumer produced none).
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +54,19 @@ def layout_of(value: Any) -> Layout:
     return Layout(pytree.treespec_dumps(spec), described, tuple(isinstance(v, torch.Tensor) for v in leaves))
 
 
+Edge = tuple[int, str, int]  # (producer stage, value name, consumer stage)
+
+
+@dataclass
+class Posted:
+    """Receives posted for one value (or one value's gradient), not yet waited on."""
+
+    layout: Layout | None = None
+    value: Any = None  # for gradients: the output whose gradient is coming
+    works: list[Any] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+
 class Links:
     """The p2p channels of one rank, for one step."""
 
@@ -62,20 +78,25 @@ class Links:
         edges = sorted({(e.src, e.name, e.dst) for e in pipe.edges if e.src is not None},
                        key=lambda e: (e[0], e[2], e[1]))
         self.edge_ids = {edge: i for i, edge in enumerate(edges)}
-        self.layouts: dict[int, Layout] = {}
+        self.layouts: dict[int, Layout] = {}  # received, by edge id; kept across steps
+        self.sent_layouts: dict[int, Layout] = {}
         self.pending: list[Any] = []
 
-    def _tag(self, edge: tuple[int, str, int], mb: int, backward: bool, slot: int) -> int:
+    def _tag(self, edge: Edge, mb: int, backward: bool, slot: int) -> int:
         eid = self.edge_ids[edge]
         return ((mb * len(self.edge_ids) + eid) * 2 + int(backward)) * LEAF_SLOTS + slot
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self.pending.append(dist.isend(tensor.detach().to(self.comm_device).contiguous(), dst, tag=tag))
 
-    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+    def _irecv(self, posted: Posted, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> None:
         buffer = torch.empty(shape, dtype=dtype, device=self.comm_device)
-        dist.recv(buffer, src, tag=tag)
-        return buffer.to(self.device)
+        posted.works.append(dist.irecv(buffer, src, tag=tag))
+        posted.buffers.append(buffer)
+
+    def _needs_layout(self, eid: int, known: dict[int, Layout]) -> bool:
+        """A layout travels on an edge's first use, and every time if the value has non-tensor leaves."""
+        return eid not in known or known[eid].resend
 
     def send_value(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> None:
         edge = (producer, name, consumer)
@@ -85,34 +106,50 @@ class Links:
             raise EngineError(f"value {name!r} of stage {producer} has {len(tensors)} tensors; "
                               f"at most {LEAF_SLOTS - 2} can cross a stage boundary as one value.")
         eid = self.edge_ids[edge]
-        if mb == 0 or self.layouts[eid].resend:
+        if self._needs_layout(eid, self.sent_layouts):
             layout = layout_of(value)
-            self.layouts[eid] = layout
+            self.sent_layouts[eid] = layout
             payload = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
             self._isend(torch.tensor([payload.numel()], dtype=torch.int64), dst, self._tag(edge, mb, False, 0))
             self._isend(payload, dst, self._tag(edge, mb, False, 1))
         for i, tensor in enumerate(tensors):
             self._isend(tensor, dst, self._tag(edge, mb, False, 2 + i))
 
-    def recv_value(self, producer: int, name: str, consumer: int, mb: int) -> Any:
+    def can_post_value(self, producer: int, name: str, consumer: int) -> bool:
+        """True when the value's layout is known, so its receives can be posted ahead of time."""
+        return not self._needs_layout(self.edge_ids[(producer, name, consumer)], self.layouts)
+
+    def post_value(self, producer: int, name: str, consumer: int, mb: int) -> Posted:
+        """Post the receives of one value (blocking only for a layout it has not seen yet)."""
         edge = (producer, name, consumer)
         src = self.stage_to_rank[producer]
         eid = self.edge_ids[edge]
-        if mb == 0 or self.layouts[eid].resend:
-            size = self._recv((1,), torch.int64, src, self._tag(edge, mb, False, 0))
-            payload = self._recv((int(size.item()),), torch.uint8, src, self._tag(edge, mb, False, 1))
+        if self._needs_layout(eid, self.layouts):
+            size = torch.empty((1,), dtype=torch.int64, device=self.comm_device)
+            dist.recv(size, src, tag=self._tag(edge, mb, False, 0))
+            payload = torch.empty((int(size.item()),), dtype=torch.uint8, device=self.comm_device)
+            dist.recv(payload, src, tag=self._tag(edge, mb, False, 1))
             self.layouts[eid] = pickle.loads(bytes(payload.cpu().tolist()))  # small; no numpy needed
         layout = self.layouts[eid]
-        leaves: list[Any] = []
+        posted = Posted(layout=layout)
         slot = 2
         for described, is_tensor in zip(layout.leaves, layout.is_tensor):
-            if not is_tensor:
-                leaves.append(described)
-                continue
-            shape, dtype, requires_grad = described
-            leaves.append(self._recv(shape, dtype, src, self._tag(edge, mb, False, slot)).requires_grad_(requires_grad))
-            slot += 1
+            if is_tensor:
+                shape, dtype, _ = described
+                self._irecv(posted, shape, dtype, src, self._tag(edge, mb, False, slot))
+                slot += 1
+        return posted
+
+    def finish_value(self, posted: Posted) -> Any:
+        layout = posted.layout
+        assert layout is not None
+        received = iter(self._wait(posted))
+        leaves = [next(received).requires_grad_(described[2]) if is_tensor else described
+                  for described, is_tensor in zip(layout.leaves, layout.is_tensor)]
         return pytree.tree_unflatten(leaves, pytree.treespec_loads(layout.spec))
+
+    def recv_value(self, producer: int, name: str, consumer: int, mb: int) -> Any:
+        return self.finish_value(self.post_value(producer, name, consumer, mb))
 
     def send_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any, grads: LeafGrads) -> None:
         """Send the gradient of every leaf of ``value`` (this stage's input) that requires grad."""
@@ -125,19 +162,30 @@ class Links:
                             self._tag(edge, mb, True, slot))
                 slot += 1
 
-    def recv_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> LeafGrads:
-        """Receive the gradient of ``value`` (this stage's output) from ``consumer``."""
+    def post_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> Posted:
+        """Post the receives of the gradient of ``value`` (this stage's output) from ``consumer``."""
         edge = (producer, name, consumer)
         src = self.stage_to_rank[consumer]
-        grads: LeafGrads = []
+        posted = Posted(value=value)
         slot = 2
         for leaf in pytree.tree_leaves(value):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                grads.append(self._recv(tuple(leaf.shape), leaf.dtype, src, self._tag(edge, mb, True, slot)))
+                self._irecv(posted, tuple(leaf.shape), leaf.dtype, src, self._tag(edge, mb, True, slot))
                 slot += 1
-            else:
-                grads.append(None)
-        return grads
+        return posted
+
+    def finish_grads(self, posted: Posted) -> LeafGrads:
+        received = iter(self._wait(posted))
+        return [next(received) if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
+                for leaf in pytree.tree_leaves(posted.value)]
+
+    def recv_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> LeafGrads:
+        return self.finish_grads(self.post_grads(producer, name, consumer, mb, value))
+
+    def _wait(self, posted: Posted) -> list[torch.Tensor]:
+        for work in posted.works:
+            work.wait()
+        return [buffer.to(self.device) for buffer in posted.buffers]
 
     def wait_sends(self) -> None:
         for work in self.pending:

@@ -63,7 +63,8 @@ class DetachExecutor:
         return forwards
 
     def backward_microbatch(self, forwards: list[StageForward], loss: torch.Tensor, loss_scale: float,
-                            param_grads: list[dict[str, torch.Tensor]]) -> dict[str, LeafGrads]:
+                            param_grads: list[dict[str, torch.Tensor]],
+                            owned: list[set[str]]) -> dict[str, LeafGrads]:
         """All stages' backwards of one micro-batch, last stage first. Returns model-input grads."""
         pending: dict[tuple[int | None, str], LeafGrads] = {}
         for stage in reversed(self.pipe.stages):
@@ -71,7 +72,7 @@ class DetachExecutor:
             last = stage.index == self.pipe.num_stages - 1
             out_grads = [pending.pop((stage.index, name), None) for name in stage.outputs]
             in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss if last else None, loss_scale)
-            add_param_grads(param_grads[stage.index], p_grads)
+            add_param_grads(param_grads[stage.index], p_grads, owned[stage.index])
             for src, grads in zip(stage.inputs, in_grads):
                 if src.stage is not None and (src.stage, src.name, stage.index) in self.drop_gradients:
                     continue
@@ -101,8 +102,9 @@ class DetachExecutor:
         losses = [check_scalar_loss(loss_fn(out, tgt), loss_fn) for out, tgt in zip(outputs, targets)]
         param_grads: list[dict[str, torch.Tensor]] = [{} for _ in self.pipe.stages]
         input_grads: list[dict[str, LeafGrads]] = []
+        owned: list[set[str]] = [set() for _ in self.pipe.stages]
         for fwd, loss in zip(forwards, losses):
-            input_grads.append(self.backward_microbatch(fwd, loss, 1.0 / n_microbatches, param_grads))
+            input_grads.append(self.backward_microbatch(fwd, loss, 1.0 / n_microbatches, param_grads, owned))
         return StepResult(
             outputs=merged,
             loss=torch.stack([loss.detach() for loss in losses]).mean(),

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from pipecheck._comm import Links
+from pipecheck._comm import Edge, Links, Posted
 from pipecheck._errors import InputError
 from pipecheck._job import Job, ModelFactory, cast_inputs
 from pipecheck._microbatch import merge_microbatches, split_microbatches
@@ -46,7 +46,7 @@ from pipecheck._stage_step import (
 from pipecheck._timeline import Event, write_chrome_trace
 from pipecheck._world import World
 from pipecheck.losses import check_scalar_loss, default_microbatch_target, projection_loss
-from pipecheck.schedules import Schedule, make_schedule
+from pipecheck.schedules import Action, Schedule, make_schedule
 
 
 @dataclass
@@ -113,6 +113,7 @@ class _RankRunner:
         self.local_grads: dict[tuple[int, str, int, int], LeafGrads] = {}
         self.result = RankResult(self.rank)
         self.loss_values: dict[int, torch.Tensor] = {}
+        self.owned: dict[int, set[str]] = {}  # per stage: gradients summed in place (see add_param_grads)
 
     def _mine(self, stage: int) -> bool:
         return self.stage_to_rank[stage] == self.rank
@@ -135,13 +136,27 @@ class _RankRunner:
         return self._edge_order([(src.stage, src.name, s) for src in stage.inputs
                                  if src.stage is not None and not self._mine(src.stage)])
 
-    def forward(self, s: int, mb: int) -> None:
+    def _post(self, action: Action) -> dict[Edge, Posted]:
+        """Post every receive ``action`` needs, in canonical edge order."""
+        s, mb = action.stage, action.microbatch
+        if action.kind == "F":
+            return {edge: self.links.post_value(*edge, mb) for edge in self._incoming(s)}
+        outputs = dict(zip(self.pipe.stages[s].outputs, self.forwards[(s, mb)].outputs))
+        return {edge: self.links.post_grads(*edge, mb, outputs[edge[1]]) for edge in self._outgoing(s)}
+
+    def _can_prefetch(self, action: Action) -> bool:
+        """A backward's gradient shapes are its forward's outputs; a forward needs known layouts."""
+        if action.kind == "B":
+            return (action.stage, action.microbatch) in self.forwards
+        return all(self.links.can_post_value(*edge) for edge in self._incoming(action.stage))
+
+    def forward(self, s: int, mb: int, posted: dict[Edge, Posted]) -> None:
         stage = self.pipe.stages[s]
         received: dict[tuple[int, str], Any] = {}
-        for producer, name, _ in self._incoming(s):
+        for edge in self._incoming(s):
             start = time.monotonic_ns()
-            received[(producer, name)] = self.links.recv_value(producer, name, s, mb)
-            self._record("recv", f"{s}F{mb}<-{producer}", start)
+            received[(edge[0], edge[1])] = self.links.finish_value(posted[edge])
+            self._record("recv", f"{s}F{mb}<-{edge[0]}", start)
         values = [self.inputs[mb][src.name] if src.stage is None
                   else self.local_values[(src.stage, src.name, mb)] if self._mine(src.stage)
                   else received[(src.stage, src.name)] for src in stage.inputs]
@@ -168,15 +183,14 @@ class _RankRunner:
         self.result.outputs[mb] = _cpu(list(fwd.outputs))
         self.result.losses[mb] = self.loss_values[mb].detach().cpu()
 
-    def backward(self, s: int, mb: int) -> None:
+    def backward(self, s: int, mb: int, posted: dict[Edge, Posted]) -> None:
         stage = self.pipe.stages[s]
         fwd = self.forwards.pop((s, mb))
-        by_name = dict(zip(stage.outputs, fwd.outputs))
         received: dict[tuple[str, int], LeafGrads] = {}
-        for _, name, consumer in self._outgoing(s):
+        for edge in self._outgoing(s):
             start = time.monotonic_ns()
-            received[(name, consumer)] = self.links.recv_grads(s, name, consumer, mb, by_name[name])
-            self._record("recv", f"{s}B{mb}<-{consumer}", start)
+            received[(edge[1], edge[2])] = self.links.finish_grads(posted[edge])
+            self._record("recv", f"{s}B{mb}<-{edge[2]}", start)
         out_grads: list[LeafGrads | None] = []
         for name in stage.outputs:
             total: LeafGrads | None = None
@@ -189,7 +203,7 @@ class _RankRunner:
         last = s == self.pipe.num_stages - 1
         in_grads, p_grads = stage_backward(stage, fwd, out_grads, self.loss_values.pop(mb) if last else None,
                                            1.0 / self.job.n_microbatches)
-        add_param_grads(self.result.grads.setdefault(s, {}), p_grads)
+        add_param_grads(self.result.grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
         self._record("backward", f"{s}B{mb}", start)
         sent: dict[tuple[int, str], tuple[Any, LeafGrads]] = {}
         for src, value, grads in zip(stage.inputs, fwd.inputs, in_grads):
@@ -222,9 +236,17 @@ class _RankRunner:
     def run(self) -> RankResult:
         """One step: this rank's actions, then the tied-gradient all-reduce."""
         self._reset()
-        for action in self.schedule.actions[self.rank]:
+        actions = self.schedule.actions[self.rank]
+        posted: dict[int, dict[Edge, Posted]] = {}
+        for i, action in enumerate(actions):
             self.ctx.stage, self.ctx.action = action.stage, str(action)
-            (self.forward if action.kind == "F" else self.backward)(action.stage, action.microbatch)
+            if i not in posted:
+                posted[i] = self._post(action)
+            # Post the next action's receives before computing this one: the data can land
+            # while this rank computes, instead of after it reaches the next receive.
+            if i + 1 < len(actions) and self._can_prefetch(actions[i + 1]):
+                posted[i + 1] = self._post(actions[i + 1])
+            (self.forward if action.kind == "F" else self.backward)(action.stage, action.microbatch, posted.pop(i))
         self.ctx.action = "wait sends"
         self.links.wait_sends()
         self.ctx.action = "tied all-reduce"

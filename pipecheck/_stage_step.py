@@ -15,6 +15,7 @@ Gradients of a (possibly nested) value are a list aligned with
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,12 +41,21 @@ def detach_value(value: Any) -> Any:
 
 def trainable_params(stage: Stage) -> list[tuple[str, torch.nn.Parameter]]:
     """The stage's parameters that need gradients, once each, by canonical FQN."""
+    cached = _TRAINABLE.get(stage.module)
+    if cached is not None and all(p.requires_grad for _, p in cached):
+        return cached
     seen: dict[str, torch.nn.Parameter] = {}
     for local, param in stage.module.named_parameters(remove_duplicate=False):
         fqn = stage.local_to_fqn.get(local)
         if fqn is not None and param.requires_grad and fqn not in seen:
             seen[fqn] = param
-    return list(seen.items())
+    _TRAINABLE[stage.module] = list(seen.items())
+    return _TRAINABLE[stage.module]
+
+
+# Per stage module, computed once: backward asks for every micro-batch.
+_TRAINABLE: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]] = \
+    weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -116,6 +126,21 @@ def add_leaf_grads(total: LeafGrads | None, more: LeafGrads) -> LeafGrads:
     return [b if a is None else a if b is None else a + b for a, b in zip(total, more)]
 
 
-def add_param_grads(total: dict[str, torch.Tensor], more: dict[str, torch.Tensor]) -> None:
+def add_param_grads(total: dict[str, torch.Tensor], more: dict[str, torch.Tensor],
+                    owned: set[str] | None = None) -> None:
+    """``total[fqn] += more[fqn]``, bit for bit as ``a + b`` in call order.
+
+    With ``owned`` (the micro-batch loop of one stage), the sum is done in place once
+    ``total`` holds a tensor this loop allocated itself: the first gradient is kept as
+    autograd returned it (it may be shared, e.g. the gradient of ``p + x`` is also x's),
+    the first sum allocates, and every later micro-batch adds into that tensor.
+    """
     for fqn, grad in more.items():
-        total[fqn] = total[fqn] + grad if fqn in total else grad
+        if fqn not in total:
+            total[fqn] = grad
+        elif owned is not None and fqn in owned:
+            total[fqn].add_(grad)
+        else:
+            total[fqn] = total[fqn] + grad
+            if owned is not None:
+                owned.add(fqn)

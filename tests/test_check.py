@@ -64,14 +64,15 @@ class SkipGradDropper(pc.DetachExecutor):
     min_gap = 2
 
     def backward_microbatch(self, forwards: list[StageForward], loss: torch.Tensor, loss_scale: float,
-                            param_grads: list[dict[str, torch.Tensor]]) -> dict[str, LeafGrads]:
+                            param_grads: list[dict[str, torch.Tensor]],
+                            owned: list[set[str]]) -> dict[str, LeafGrads]:
         pending: dict[tuple[int | None, str], LeafGrads] = {}
         for stage in reversed(self.pipe.stages):
             last = stage.index == self.pipe.num_stages - 1
             out_grads = [pending.pop((stage.index, name), None) for name in stage.outputs]
             in_grads, p_grads = stage_backward(stage, forwards[stage.index], out_grads,
                                                loss if last else None, loss_scale)
-            add_param_grads(param_grads[stage.index], p_grads)
+            add_param_grads(param_grads[stage.index], p_grads, owned[stage.index])
             for src, grads in zip(stage.inputs, in_grads, strict=True):
                 if src.stage is not None and stage.index - src.stage >= self.min_gap:
                     continue  # the bug: a skip connection's gradient never goes back
