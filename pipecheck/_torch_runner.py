@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 import os
 import re
 import traceback
@@ -448,7 +449,9 @@ def _prepare(ctx: Any, plan: TorchPlan) -> _Prepared:
     args, kwargs = cast_inputs((tuple(job.args), dict(job.kwargs)), None, ctx.device)
     mb_args, mb_kwargs = split_microbatches((args, kwargs), n)[0]
     ctx.action = "pipeline() trace"
-    pipe = pipeline(model, tuple(mb_args), dict(mb_kwargs), split_policy=_translate_markers(plan.keep_markers))
+    with warnings.catch_warnings():  # torch's own pipeline() deep-copies a TreeSpec: its deprecation, not ours
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        pipe = pipeline(model, tuple(mb_args), dict(mb_kwargs), split_policy=_translate_markers(plan.keep_markers))
     if pipe.num_stages != plan.n_stages:
         raise TorchStepError(f"torch's pipeline() cut the model into {pipe.num_stages} stages where pipecheck "
                              f"cut {plan.n_stages}")
