@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._diagnose import diagnose_grad, diagnose_output, dropped_skip_hint, matches
+from pipecheck._compare import compare_all, output_name
 from pipecheck._errors import (
     EngineError,
     EquivalenceError,
@@ -33,9 +33,7 @@ from pipecheck._errors import (
 )
 from pipecheck._job import Job, LossFn, ModelFactory, cast_inputs, seeded
 from pipecheck._microbatch import merge_microbatches, split_microbatches
-from pipecheck._numerics import Row, ToleranceLike, check_tolerance, compare, nonfinite
-from pipecheck._pipe import Pipe
-from pipecheck._reference import DetachExecutor
+from pipecheck._numerics import ToleranceLike, check_tolerance, nonfinite
 from pipecheck._report import Report
 from pipecheck._result import StepResult
 from pipecheck._runners import resolve_runner
@@ -120,6 +118,12 @@ def _grad_inputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             if isinstance(value, torch.Tensor) and value.requires_grad]
 
 
+def _fresh(value: Any) -> Any:
+    """Tensors copied (keeping requires_grad), so no run sees what another run's forward wrote."""
+    return pytree.tree_map(
+        lambda v: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v, value)
+
+
 def _to64(value: Any) -> Any:
     def cast(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
@@ -139,16 +143,12 @@ def _check_nonfinite(eager: StepResult) -> None:
 
 
 def _named_tensors(result: StepResult) -> list[tuple[str, Any]]:
-    named = [(_output_name(path), leaf) for path, leaf in pytree.tree_flatten_with_path(result.outputs)[0]]
+    named = [(output_name(path), leaf) for path, leaf in pytree.tree_flatten_with_path(result.outputs)[0]]
     if result.loss is not None:
         named.append(("loss", result.loss))
     named += [(f"grad {fqn}", g) for fqn, g in result.grads.items()]
     named += [(f"grad input {name}", g) for name, g in result.input_grads.items()]
     return named
-
-
-def _output_name(path: tuple[Any, ...]) -> str:
-    return "output" + pytree.keystr(path)
 
 
 def assert_equivalent(
@@ -182,15 +182,19 @@ def assert_equivalent(
 
     started = time.perf_counter()
     with seeded(seed):  # the user's RNG streams are left as they were
-        eager, target_used = eager_step(factory(), args, call_kwargs, loss_fn, target, n_microbatches, check_grads)
+        eager_args, eager_kwargs = _fresh((args, call_kwargs))
+        eager, target_used = eager_step(factory(), eager_args, eager_kwargs, loss_fn, target, n_microbatches,
+                                        check_grads)
     timings["eager_s"] = time.perf_counter() - started
-    _check_deterministic(factory, args, call_kwargs, n_microbatches, seed)
+    probe_args, probe_kwargs = _fresh((args, call_kwargs))
+    _check_deterministic(factory, probe_args, probe_kwargs, n_microbatches, seed)
     started = time.perf_counter()
     ref64, _ = eager_step(factory().to(torch.float64), _to64(args), _to64(call_kwargs), loss_fn or projection_loss,
                           _to64(target_used), n_microbatches, check_grads)
     timings["fp64_s"] = time.perf_counter() - started
     _check_nonfinite(eager)
 
+    args, call_kwargs = _fresh((args, call_kwargs))  # a forward that writes into its inputs never reaches the user's
     job = Job(model=factory, args=args, kwargs=call_kwargs, split_spec=split_spec, policy=policy, tracer=tracer,
               loss_fn=loss_fn or projection_loss, target=target_used, n_microbatches=n_microbatches,
               schedule=schedule, world_size=world_size, stages_per_rank=stages_per_rank,
@@ -208,7 +212,7 @@ def assert_equivalent(
         raise EngineError(f"runner {runner_name!r} returned {type(result).__name__}; a runner must return "
                           "pc.StepResult(outputs, loss, grads).")
 
-    rows, hints = _compare_all(pipe, job, result, eager, ref64, tolerance, check_grads)
+    rows, hints = compare_all(pipe, job, result, eager, ref64, tolerance, check_grads)
     report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
                     str(eager_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings)
     if not report.ok:
@@ -221,82 +225,3 @@ def eager_dtype(result: StepResult) -> torch.dtype:
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             return leaf.dtype
     return torch.float32
-
-
-def _compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
-                 tolerance: ToleranceLike, check_grads: bool) -> tuple[list[Row], dict[str, str]]:
-    rows: list[Row] = []
-    hints: dict[str, str] = {}
-    last = (pipe.num_stages - 1,)
-    eager_out, out_spec = pytree.tree_flatten_with_path(eager.outputs)
-    ref_out = pytree.tree_leaves(ref64.outputs)
-    test_out = _leaves_like(result.outputs, out_spec)
-    for i, ((path, e_leaf), r_leaf) in enumerate(zip(eager_out, ref_out)):
-        source = pipe.output_sources[i] if i < len(pipe.output_sources) else None
-        stages = (source.stage,) if source is not None and source.stage is not None else last
-        row = compare(_output_name(path), test_out[i] if test_out else None, e_leaf, r_leaf, tolerance, stages)
-        rows.append(row)
-        if not row.ok and row.numel and isinstance(test_out[i], torch.Tensor):
-            hint = diagnose_output(test_out[i], r_leaf, job.n_microbatches)
-            if hint:
-                hints[row.name] = hint
-    if not check_grads:
-        return rows, hints
-    rows.append(compare("loss", result.loss, eager.loss, ref64.loss, tolerance, last))
-    shares_cache: list[dict[str, torch.Tensor]] | None = None
-    for fqn, e_grad in eager.grads.items():
-        row = compare(f"grad {fqn}", result.grads.get(fqn), e_grad, ref64.grads[fqn], tolerance,
-                      pipe.param_stages(fqn))
-        rows.append(row)
-        test = result.grads.get(fqn)
-        if not row.ok and row.numel and isinstance(test, torch.Tensor):
-            shares: list[tuple[int, torch.Tensor]] = []
-            if len(pipe.param_stages(fqn)) > 1:
-                if shares_cache is None:
-                    shares_cache = _stage_shares(pipe, job)
-                shares = [(s, shares_cache[s][fqn]) for s in pipe.param_stages(fqn) if fqn in shares_cache[s]]
-            hint = diagnose_grad(test, ref64.grads[fqn], job.n_microbatches, shares)
-            if hint:
-                hints[row.name] = hint
-    _diagnose_dropped_skips(pipe, job, result, rows, hints)
-    for name, e_grad in eager.input_grads.items():
-        consumers = tuple(e.dst for e in pipe.edges if e.src is None and e.name == name)
-        row = compare(f"grad input {name}", result.input_grads.get(name), e_grad, ref64.input_grads[name],
-                      tolerance, consumers)
-        rows.append(row)
-        test = result.input_grads.get(name)
-        if not row.ok and row.numel and isinstance(test, torch.Tensor):
-            hint = diagnose_grad(test, ref64.input_grads[name], job.n_microbatches)
-            if hint:
-                hints[row.name] = hint
-    return rows, hints
-
-
-def _diagnose_dropped_skips(pipe: Pipe, job: Job, result: StepResult, rows: list[Row],
-                            hints: dict[str, str]) -> None:
-    """Failing gradients with no hint yet: do they match the reference with one skip edge's
-    gradient dropped? (One what-if reference run per skip edge, only on failure.)"""
-    failing = {row.name.removeprefix("grad "): result.grads[row.name.removeprefix("grad ")] for row in rows
-               if row.name.startswith("grad ") and not row.ok and row.numel and row.name not in hints
-               and isinstance(result.grads.get(row.name.removeprefix("grad ")), torch.Tensor)}
-    skips = sorted({(e.src, e.name, e.dst) for e in pipe.edges if e.src is not None and e.dst - e.src > 1})
-    for producer, name, consumer in skips if failing else ():
-        what_if = DetachExecutor(job.split(), drop_gradients=[(producer, name, consumer)]).step(
-            job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target, n_microbatches=job.n_microbatches)
-        if all(fqn in what_if.grads and matches(test, what_if.grads[fqn]) for fqn, test in failing.items()):
-            for fqn in failing:
-                hints[f"grad {fqn}"] = dropped_skip_hint(name, producer, consumer)
-            return
-
-
-def _leaves_like(outputs: Any, spec: pytree.TreeSpec) -> list[Any]:
-    """The runner's output leaves in the eager structure; [] when the structure differs."""
-    leaves, test_spec = pytree.tree_flatten(outputs)
-    return leaves if test_spec == spec else []
-
-
-def _stage_shares(pipe: Pipe, job: Job) -> list[dict[str, torch.Tensor]]:
-    """Each stage's own share of every parameter gradient, from the reference runner."""
-    result = DetachExecutor(job.split()).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
-                                              n_microbatches=job.n_microbatches)
-    return result.stage_grads

@@ -22,5 +22,9 @@ class StepResult:
     grads: dict[str, torch.Tensor]
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    stage_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # optional: per-stage shares
+    # Optional. The reference runner: each stage's own share of every gradient, before tied sums.
+    stage_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    # Optional: the gradient every replica of a tied parameter ended with, fqn -> stage -> grad.
+    # assert_equivalent checks each replica, not only the one in ``grads``.
+    replica_grads: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     events: list[Any] = field(default_factory=list)  # optional: timeline events (pipecheck._timeline.Event)

@@ -31,7 +31,7 @@ from pipecheck._comm import Edge, Links, Posted
 from pipecheck._errors import InputError
 from pipecheck._job import Job, ModelFactory, cast_inputs
 from pipecheck._microbatch import merge_microbatches, split_microbatches
-from pipecheck._pipe import Pipe
+from pipecheck._pipe import Pipe, Stage
 from pipecheck._reference import sum_stage_grads
 from pipecheck._result import StepResult
 from pipecheck._stage_step import (
@@ -41,7 +41,6 @@ from pipecheck._stage_step import (
     add_param_grads,
     stage_backward,
     stage_forward,
-    trainable_params,
 )
 from pipecheck._timeline import Event, write_chrome_trace
 from pipecheck._world import World
@@ -221,12 +220,18 @@ class _RankRunner:
     def sync_tied(self) -> None:
         """All-reduce (sum) tied parameters' gradients so every replica holds the full gradient."""
         for group in self.pipe.tied_groups:
+            param = _parameter(self.pipe.stages[group.stages[0]], group.fqn)
+            if not param.requires_grad:
+                continue  # frozen: no replica has a gradient (the same on every rank)
             holders = [s for s in group.stages if self._mine(s)]
             local = sum_stage_grads([{group.fqn: self.result.grads[s][group.fqn]} for s in holders
                                      if group.fqn in self.result.grads.get(s, {})]).get(group.fqn)
             if len({self.stage_to_rank[s] for s in group.stages}) > 1:
-                param = dict(trainable_params(self.pipe.stages[group.stages[0]]))[group.fqn]
-                buffer = (local if local is not None else torch.zeros_like(param)).to(self.ctx.comm_device)
+                # A copy the collective may write into: autograd's gradient can be shared with another
+                # parameter's (p + b) or a stride-0 broadcast view (x * p.sum()).
+                buffer = torch.zeros(param.shape, dtype=param.dtype, device=self.ctx.comm_device)
+                if local is not None:
+                    buffer.copy_(local)
                 dist.all_reduce(buffer)
                 local = buffer.to(self.ctx.device)
             for s in holders:
@@ -254,6 +259,12 @@ class _RankRunner:
         self.ctx.stage, self.ctx.action = None, None
         self.result.grads = {s: _cpu(g) for s, g in self.result.grads.items()}
         return self.result
+
+
+def _parameter(stage: Stage, fqn: str) -> torch.nn.Parameter:
+    """The stage's own parameter object for canonical ``fqn``."""
+    return next(p for local, p in stage.module.named_parameters(remove_duplicate=False)
+                if stage.local_to_fqn.get(local) == fqn)
 
 
 def rank_step(ctx: Any, plan: RankPlan) -> RankResult:
@@ -289,9 +300,12 @@ def merge_rank_results(pipe: Pipe, results: Sequence[RankResult], n_microbatches
     for s in range(pipe.num_stages):  # a tied parameter's replicas all hold the full gradient: take the first
         for fqn, grad in stage_grads.get(s, {}).items():
             grads.setdefault(fqn, grad)
+    replicas = {group.fqn: {s: stage_grads[s][group.fqn] for s in group.stages if group.fqn in stage_grads.get(s, {})}
+                for group in pipe.tied_groups}
     return StepResult(merged, torch.stack([losses[m] for m in range(n_microbatches)]).mean(), grads,
                       _merge_input_grads(input_grads, n_microbatches),
-                      stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)])
+                      stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
+                      replica_grads={fqn: by_stage for fqn, by_stage in replicas.items() if by_stage})
 
 
 def _merge_input_grads(per_key: Mapping[tuple[int, str, int], LeafGrads], n: int) -> dict[str, torch.Tensor]:

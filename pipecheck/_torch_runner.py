@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 import os
 import re
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any

@@ -288,9 +288,9 @@ pipecheck: runner 'tied_unsynced_and_outputs_reversed' does not match eager (2 o
 
 tensor           stage  shape   max abs   max rel   tolerance                        worst index  failing
 ---------------  -----  ------  --------  --------  -------------------------------  -----------  -------
-output           1      (4, 2)  1.00e+01  5.00e+00  auto: atol 2.0e-14 rtol 1.8e-15  (1, 0)       8/8
+output           1      (4, 2)  1.00e+01  5.00e+00  auto: atol 4.9e-15 rtol 4.4e-16  (1, 0)       8/8
   hint: outputs permuted across micro-batches: merged position <- micro-batch: 0<-1, 1<-0; merge micro-batch outputs in micro-batch order
-grad emb.weight  0,1    (2, 2)  3.50e+00  1.00e+00  auto: atol 1.3e-14 rtol 1.8e-15  (0, 1)       4/4
+grad emb.weight  0,1    (2, 2)  3.50e+00  1.00e+00  auto: atol 3.3e-15 rtol 4.4e-16  (0, 1)       4/4
   hint: tied parameter not synchronised: gradient equals stage 1's share only; stages 0, 1 hold replicas and their gradients must be summed (all-reduce)""")
 
 
@@ -380,8 +380,33 @@ def test_float16_inputs_and_model_work() -> None:
 
 def test_outputs_with_the_wrong_structure_are_missing() -> None:
     err = _failure("mlp", "markers", outputs_as_a_list)
-    assert _failing(err) == ["output"]
+    assert _failing(err) == ["output", "output[0]"]
     assert "missing from the runner's result" in str(err)
+    assert err.report.hints["output"] == "output structure differs: the runner returned ['output[0]']"
+    assert err.report.row("output[0]").note == "not an output of the eager model"
+
+
+def _dict_outputs_reordered(job: pc.Job) -> pc.StepResult:
+    result = run_reference(job)
+    result.outputs = dict(reversed(list(result.outputs.items())))  # same keys, other order
+    result.outputs["extra"] = list(result.outputs["extra"])  # a list where eager has a tuple
+    return result
+
+
+def test_outputs_are_matched_by_key_path_not_container_order() -> None:
+    assert _zoo_check("dict_outputs", "markers", _dict_outputs_reordered, n_microbatches=2).ok
+
+
+def _gradient_for_an_unused_parameter(job: pc.Job) -> pc.StepResult:
+    result = run_reference(job)
+    result.grads["layers.0.fc.weight_renamed"] = torch.ones(3)
+    return result
+
+
+def test_a_gradient_eager_does_not_have_fails_unless_zero() -> None:
+    err = _failure("mlp", "markers", _gradient_for_an_unused_parameter)
+    assert _failing(err) == ["grad layers.0.fc.weight_renamed"]
+    assert err.report.hints["grad layers.0.fc.weight_renamed"].startswith("eager computes no gradient here")
 
 
 # --------------------------------------------------------------------------- input gradients
@@ -438,6 +463,6 @@ def test_report_lists_tied_parameters_once_with_every_stage() -> None:
     assert report.row("grad tok_emb.weight").stages == (0, 3)
 
 
-def test_check_grads_false_compares_outputs_only() -> None:
+def test_check_grads_false_compares_outputs_and_loss_only() -> None:
     report = _zoo_check("mlp", "markers", grads_not_averaged, check_grads=False)
-    assert [row.name for row in report.rows] == ["output"]
+    assert [row.name for row in report.rows] == ["output", "loss"]

@@ -1,0 +1,147 @@
+"""Every row of a check: the runner's result against eager and the fp64 truth, with hints.
+
+    rows, hints = compare_all(pipe, job, result, eager, ref64, tolerance, check_grads=True)
+
+Outputs are matched by key path (so a dict in another order, or a list for a
+tuple, is the same output); every eager gradient is compared, each replica of
+a tied parameter where the runner reports replicas, and a gradient the runner
+produces that eager does not (unused or frozen parameter, a renamed FQN) fails
+unless it is all zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from pipecheck._diagnose import diagnose_grad, diagnose_output, dropped_skip_hint, matches
+from pipecheck._job import Job
+from pipecheck._numerics import Row, ToleranceLike, compare
+from pipecheck._pipe import Pipe
+from pipecheck._reference import DetachExecutor
+from pipecheck._result import StepResult
+
+
+def output_name(path: tuple[Any, ...]) -> str:
+    return "output" + pytree.keystr(path)
+
+
+def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
+                tolerance: ToleranceLike, check_grads: bool) -> tuple[list[Row], dict[str, str]]:
+    rows: list[Row] = []
+    hints: dict[str, str] = {}
+    _compare_outputs(pipe, job, result, eager, ref64, tolerance, rows, hints)
+    rows.append(compare("loss", result.loss, eager.loss, ref64.loss, tolerance, (pipe.num_stages - 1,)))
+    if not check_grads:
+        return rows, hints
+    _compare_param_grads(pipe, job, result, eager, ref64, tolerance, rows, hints)
+    _diagnose_dropped_skips(pipe, job, result, rows, hints)
+    for name, e_grad in eager.input_grads.items():
+        consumers = tuple(e.dst for e in pipe.edges if e.src is None and e.name == name)
+        _grad_row(f"grad input {name}", result.input_grads.get(name), e_grad, ref64.input_grads[name],
+                  tolerance, consumers, job, rows, hints)
+    _unexpected_grads(result.grads, eager.grads, "grad ", pipe, rows, hints)
+    _unexpected_grads(result.input_grads, eager.input_grads, "grad input ", pipe, rows, hints)
+    return rows, hints
+
+
+def _compare_outputs(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
+                     tolerance: ToleranceLike, rows: list[Row], hints: dict[str, str]) -> None:
+    last = (pipe.num_stages - 1,)
+    eager_out = pytree.tree_flatten_with_path(eager.outputs)[0]
+    ref_out = pytree.tree_leaves(ref64.outputs)
+    test_out = {output_name(path): leaf for path, leaf in pytree.tree_flatten_with_path(result.outputs)[0]}
+    eager_names = [output_name(path) for path, _ in eager_out]
+    for i, ((_, e_leaf), r_leaf) in enumerate(zip(eager_out, ref_out)):
+        source = pipe.output_sources[i] if i < len(pipe.output_sources) else None
+        stages = (source.stage,) if source is not None and source.stage is not None else last
+        name = eager_names[i]
+        test = test_out.get(name)
+        row = compare(name, test, e_leaf, r_leaf, tolerance, stages)
+        rows.append(row)
+        if name not in test_out:
+            hints[name] = f"output structure differs: the runner returned {sorted(test_out) or 'no outputs'}"
+        elif not row.ok and row.numel and isinstance(test, torch.Tensor):
+            hint = diagnose_output(test, r_leaf, job.n_microbatches)
+            if hint:
+                hints[name] = hint
+    for name in sorted(set(test_out) - set(eager_names)):
+        rows.append(Row(name, (), (), False, float("inf"), float("inf"), "-", None, 1, 1,
+                        "not an output of the eager model"))
+
+
+def _grad_row(name: str, test: Any, e_grad: torch.Tensor, truth: torch.Tensor, tolerance: ToleranceLike,
+              stages: tuple[int, ...], job: Job, rows: list[Row], hints: dict[str, str],
+              shares: Callable[[], list[tuple[int, torch.Tensor]]] = list) -> None:
+    """One gradient's row, with a hint when it fails in a recognisable way (``shares`` is only
+    called then: a tied parameter's per-stage shares cost one more reference run)."""
+    row = compare(name, test, e_grad, truth, tolerance, stages)
+    rows.append(row)
+    if not row.ok and row.numel and isinstance(test, torch.Tensor):
+        hint = diagnose_grad(test, truth, job.n_microbatches, shares())
+        if hint:
+            hints[name] = hint
+
+
+def _compare_param_grads(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
+                         tolerance: ToleranceLike, rows: list[Row], hints: dict[str, str]) -> None:
+    cache: list[list[dict[str, torch.Tensor]]] = []
+
+    def shares_of(fqn: str) -> Callable[[], list[tuple[int, torch.Tensor]]]:
+        def shares() -> list[tuple[int, torch.Tensor]]:
+            if len(pipe.param_stages(fqn)) < 2:
+                return []
+            if not cache:
+                cache.append(stage_shares(job))
+            return [(s, cache[0][s][fqn]) for s in pipe.param_stages(fqn) if fqn in cache[0][s]]
+        return shares
+
+    for fqn, e_grad in eager.grads.items():
+        truth, stages = ref64.grads[fqn], pipe.param_stages(fqn)
+        _grad_row(f"grad {fqn}", result.grads.get(fqn), e_grad, truth, tolerance, stages, job, rows, hints,
+                  shares_of(fqn))
+        for stage, replica in sorted(result.replica_grads.get(fqn, {}).items()):
+            _grad_row(f"grad {fqn} (replica in stage {stage})", replica, e_grad, truth, tolerance, (stage,),
+                      job, rows, hints, shares_of(fqn))
+
+
+def _unexpected_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], prefix: str, pipe: Pipe,
+                      rows: list[Row], hints: dict[str, str]) -> None:
+    """A gradient eager does not have must be absent or all zeros: an optimizer would apply it."""
+    for key in sorted(set(got) - set(expected)):
+        grad = got[key]
+        if not isinstance(grad, torch.Tensor) or not bool((grad != 0).any()):
+            continue
+        name = f"{prefix}{key}"
+        magnitude = grad.detach().abs().max().item()
+        rows.append(Row(name, pipe.param_stages(key), tuple(grad.shape), False, magnitude, float("inf"),
+                        "zero expected", None, int((grad != 0).sum()), grad.numel()))
+        hints[name] = ("eager computes no gradient here (an unused or frozen parameter, or not an original "
+                       "FQN: runners key gradients by model.named_parameters() names)")
+
+
+def _diagnose_dropped_skips(pipe: Pipe, job: Job, result: StepResult, rows: list[Row],
+                            hints: dict[str, str]) -> None:
+    """Failing gradients with no hint yet: do they match the reference with one skip edge's
+    gradient dropped? (One what-if reference run per skip edge, only on failure.)"""
+    failing = {row.name.removeprefix("grad "): result.grads[row.name.removeprefix("grad ")] for row in rows
+               if row.name.startswith("grad ") and not row.ok and row.numel and row.name not in hints
+               and isinstance(result.grads.get(row.name.removeprefix("grad ")), torch.Tensor)}
+    skips = sorted({(e.src, e.name, e.dst) for e in pipe.edges if e.src is not None and e.dst - e.src > 1})
+    for producer, name, consumer in skips if failing else ():
+        what_if = DetachExecutor(job.split(), drop_gradients=[(producer, name, consumer)]).step(
+            job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target, n_microbatches=job.n_microbatches)
+        if all(fqn in what_if.grads and matches(test, what_if.grads[fqn]) for fqn, test in failing.items()):
+            for fqn in failing:
+                hints[f"grad {fqn}"] = dropped_skip_hint(name, producer, consumer)
+            return
+
+
+def stage_shares(job: Job) -> list[dict[str, torch.Tensor]]:
+    """Each stage's own share of every parameter gradient, from the reference runner."""
+    result = DetachExecutor(job.split()).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
+                                              n_microbatches=job.n_microbatches)
+    return result.stage_grads
