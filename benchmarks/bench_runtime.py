@@ -63,7 +63,7 @@ SPEC = {f"layers.{i}": "BEGINNING" for i in range(1, STAGES)}
 def _spawned_rank(rank: int, plan: Any, folder: str, world_size: int) -> None:
     store = dist.FileStore(f"{folder}/store", world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    ctx = SimpleNamespace(rank=rank, world_size=world_size, device=torch.device("cpu"),
+    ctx = SimpleNamespace(rank=rank, world_size=world_size, device=torch.device("cpu"), backend="gloo",
                           comm_device=torch.device("cpu"), stage=None, action=None)
     result = rank_step(ctx, plan)
     Path(f"{folder}/{rank}.pkl").write_bytes(pickle.dumps(result))

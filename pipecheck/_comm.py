@@ -106,7 +106,9 @@ class Links:
             raise EngineError(f"value {name!r} of stage {producer} has {len(tensors)} tensors; "
                               f"at most {LEAF_SLOTS - 2} can cross a stage boundary as one value.")
         eid = self.edge_ids[edge]
-        if self._needs_layout(eid, self.sent_layouts):
+        if not self._needs_layout(eid, self.sent_layouts):
+            self._check_layout(self.sent_layouts[eid], value, edge, mb)
+        else:
             layout = layout_of(value)
             self.sent_layouts[eid] = layout
             payload = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
@@ -114,6 +116,22 @@ class Links:
             self._isend(payload, dst, self._tag(edge, mb, False, 1))
         for i, tensor in enumerate(tensors):
             self._isend(tensor, dst, self._tag(edge, mb, False, 2 + i))
+
+    @staticmethod
+    def _check_layout(sent: Layout, value: Any, edge: Edge, mb: int) -> None:
+        """The receiver allocates from the cached layout: a value whose shape changes between
+        micro-batches (data-dependent shapes) must fail here, clearly, not corrupt its buffers."""
+        now = layout_of(value)
+        if now.leaves != sent.leaves or now.spec != sent.spec:
+            producer, name, consumer = edge
+            shapes = [leaf[0] for leaf, is_tensor in zip(now.leaves, now.is_tensor) if is_tensor]
+            before = [leaf[0] for leaf, is_tensor in zip(sent.leaves, sent.is_tensor) if is_tensor]
+            raise EngineError(
+                f"value {name!r} sent from stage {producer} to stage {consumer} changed its layout at "
+                f"micro-batch {mb}: shapes {shapes}, earlier {before}. pipecheck's runtime needs each value "
+                "that crosses a stage boundary to keep its shapes and dtypes across micro-batches. Fix: cut "
+                "where values have a fixed shape (not after a data-dependent filter), or use n_microbatches=1."
+            )
 
     def can_post_value(self, producer: int, name: str, consumer: int) -> bool:
         """True when the value's layout is known, so its receives can be posted ahead of time."""

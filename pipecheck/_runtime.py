@@ -249,7 +249,9 @@ class _RankRunner:
                 posted[i] = self._post(action)
             # Post the next action's receives before computing this one: the data can land
             # while this rank computes, instead of after it reaches the next receive.
-            if i + 1 < len(actions) and self._can_prefetch(actions[i + 1]):
+            # Not on NCCL: there sends and receives between two ranks share one ordered stream, and
+            # a receive posted before this action's sends can deadlock (gloo matches by tag).
+            if self.ctx.backend != "nccl" and i + 1 < len(actions) and self._can_prefetch(actions[i + 1]):
                 posted[i + 1] = self._post(actions[i + 1])
             (self.forward if action.kind == "F" else self.backward)(action.stage, action.microbatch, posted.pop(i))
         self.ctx.action = "wait sends"

@@ -68,8 +68,25 @@ class StageForward:
 
 def stage_forward(stage: Stage, values: Sequence[Any]) -> StageForward:
     inputs = [detach_value(v) for v in values]
-    outputs = stage.module(*inputs)
+    if stage.module in _WRITES_INPUTS:
+        return StageForward(inputs, tuple(stage.module(*[_writable(v) for v in inputs])))
+    try:
+        outputs = stage.module(*inputs)
+    except RuntimeError as err:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(err):
+            raise
+        # The stage writes into an input (ReLU(inplace=True) right after a cut): from now on it
+        # gets non-leaf copies, whose gradients still flow to the detached inputs.
+        _WRITES_INPUTS.add(stage.module)
+        outputs = stage.module(*[_writable(v) for v in inputs])
     return StageForward(inputs, tuple(outputs))
+
+
+_WRITES_INPUTS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _writable(value: Any) -> Any:
+    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) and v.requires_grad else v, value)
 
 
 def _grad_leaves(value: Any) -> list[torch.Tensor]:

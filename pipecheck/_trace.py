@@ -159,9 +159,33 @@ def trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], sp
 
     def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> dict[str, Any]:
         b = _bind_signature(model, call_args, call_kwargs)
+        _check_concrete(b, concrete, graph_inputs)
         return {name: b.arguments[name] for name in names}
 
     return Traced(graph, attrs, names, bind, "fx")
+
+
+def _check_concrete(bound: inspect.BoundArguments, concrete: dict[str, Any], graph_inputs: list[str]) -> None:
+    """Non-tensor arguments (and kwargs left to their defaults) are fixed when the model is traced:
+    a call with other values would silently run the traced ones."""
+    problems = []
+    for name, traced in concrete.items():
+        value = bound.arguments.get(name, bound.signature.parameters[name].default)
+        if _has_tensor(value):
+            problems.append(f"{name} is a tensor now, but was {traced!r} when traced")
+            continue
+        try:
+            same = value is traced or bool(value == traced)
+        except Exception:
+            same = False
+        if not same:
+            problems.append(f"{name}={value!r}, traced with {name}={traced!r}")
+    missing = [name for name in graph_inputs if name not in bound.arguments]
+    problems += [f"{name} is missing; it was a tensor input when traced" for name in missing]
+    if problems:
+        raise InputError("inputs differ from the ones the model was split with (non-tensor arguments and "
+                         "defaults are fixed at split time): " + "; ".join(problems)
+                         + ". Fix: split again with these inputs.")
 
 
 def _resolve(root: nn.Module, target: str) -> Any:

@@ -466,3 +466,41 @@ def test_report_lists_tied_parameters_once_with_every_stage() -> None:
 def test_check_grads_false_compares_outputs_and_loss_only() -> None:
     report = _zoo_check("mlp", "markers", grads_not_averaged, check_grads=False)
     assert [row.name for row in report.rows] == ["output", "loss"]
+
+
+class Doubling(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, double: bool = False) -> torch.Tensor:
+        h = self.a(x)
+        pc.pipe_split()
+        y = self.b(h)
+        return y * 2 if double else y
+
+
+def test_a_non_tensor_argument_other_than_the_traced_one_is_refused() -> None:
+    x = torch.randn(8, 4)
+    pipe = pc.split(Doubling(), (x,), {"double": True})
+    with pytest.raises(pc.InputError, match=r"double=False, traced with double=True"):
+        pc.DetachExecutor(pipe).step((x,), {"double": False})
+
+
+class WritesItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        h = self.a(x)
+        pc.pipe_split()
+        return self.b(h)
+
+
+def test_a_forward_that_writes_into_its_input_never_touches_the_users_tensor() -> None:
+    x = torch.randn(8, 4)
+    before = x.clone()
+    assert pc.assert_equivalent(WritesItsInput, (x,), runner="reference").ok
+    assert torch.equal(x, before)

@@ -164,3 +164,84 @@ def test_one_gpu_per_rank_over_nccl_matches_eager():
                                       policy=pc.policies.balanced_params(2), loss_fn=entry.loss_fn,
                                       target=entry.target(), n_microbatches=4, options={"world": world})
     assert report.ok
+
+
+# --- models that once broke the runtime (each a regression test) ---------------------------------
+
+class SharedGradTied(torch.nn.Module):
+    """``p + b``: autograd hands back ONE tensor as the gradient of p and of b; p is tied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.p, self.b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = self.l0(x) + (self.p + self.b)
+        pc.pipe_split()
+        return self.l1(h) * self.p
+
+
+class BroadcastGradTied(torch.nn.Module):
+    """``x * p.sum()``: the gradient of p is a stride-0 broadcast view; p is tied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.p = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        h = self.a(x) * self.p.sum()
+        pc.pipe_split()
+        return self.b(h) @ self.p
+
+
+class FrozenTied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.head.weight = self.emb.weight
+        self.emb.weight.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        pc.pipe_split()
+        return self.head(self.mid(h))
+
+
+class InplaceAfterCut(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.a(x)
+        pc.pipe_split()
+        return self.b(self.act(h))
+
+
+class DataDependentShape(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h[h[:, 0] > 0]
+        pc.pipe_split()
+        return self.b(h).sum(0, keepdim=True)
+
+
+@pytest.mark.parametrize("model", [SharedGradTied, BroadcastGradTied, FrozenTied, InplaceAfterCut])
+@pytest.mark.parametrize("n_mb", [1, 2])
+def test_tricky_gradients_match_eager_on_both_runners(pipecheck_world, model, n_mb):
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for runner, options in (("reference", None), ("distributed", {"world": pipecheck_world(2)})):
+        assert pc.assert_equivalent(model, (x,), runner=runner, n_microbatches=n_mb, options=options).ok
+
+
+def test_a_value_whose_shape_changes_between_microbatches_is_a_clear_error(pipecheck_world):
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(pc.WorldError, match="changed its layout at micro-batch"):
+        pc.run_pipeline(pipecheck_world(2), DataDependentShape, (x,), n_microbatches=4)
