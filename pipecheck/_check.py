@@ -98,9 +98,9 @@ def _check_deterministic(factory: ModelFactory, args: tuple[Any, ...], kwargs: d
     model = factory()
     bound = _bind_signature(model, args, kwargs)
     first = split_microbatches(dict(bound.arguments), n_microbatches)[0]
-    call = inspect.BoundArguments(bound.signature, first)  # type: ignore[arg-type]
     runs = []
     for offset in (1, 2):
+        call = inspect.BoundArguments(bound.signature, _fresh(first))  # a forward may write into its inputs
         with seeded(seed + offset), torch.no_grad():
             runs.append(pytree.tree_leaves(_call_eager(model, call, n_microbatches)))
     for a, b in zip(*runs):
