@@ -146,15 +146,20 @@ def torch_steps(ctx: Any, n_steps: int) -> float:
     return _timed(step, n_steps)
 
 
-def bench_step(n_steps: int) -> dict[str, float]:
+def bench_step(n_steps: int, rounds: int) -> dict[str, Any]:
+    """Alternate the two engines for several rounds on one World: the ratio of the medians, and
+    each round's ratio (four ranks on this machine's cores make single rounds noisy)."""
     x, target = bench_inputs()
     job = pc.Job(model=pc.ModelFactory(BenchMLP), args=(x,), split_spec=SPEC, loss_fn=_loss, target=target,
                  n_microbatches=MICROBATCHES, schedule="1f1b")
     plan = make_plan(job, job.split())
+    ours, theirs = [], []
     with pc.World(STAGES, timeout=600) as world:
-        ours = max(world.run(pipecheck_steps, plan, n_steps))
-        theirs = max(world.run(torch_steps, n_steps))
-    return {"pipecheck": ours, "torch": theirs}
+        for _ in range(rounds):
+            ours.append(max(world.run(pipecheck_steps, plan, n_steps)))
+            theirs.append(max(world.run(torch_steps, n_steps)))
+    return {"pipecheck": median(ours), "torch": median(theirs),
+            "ratios": [a / b for a, b in zip(ours, theirs)]}
 
 
 # --- (c) bubbles ---------------------------------------------------------------------------
@@ -178,14 +183,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checks", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
     opts = parser.parse_args()
     checks = bench_checks(opts.checks)
-    step = bench_step(opts.steps)
+    step = bench_step(opts.steps, opts.rounds)
     bubbles = bench_bubbles()
     ratio = step["pipecheck"] / step["torch"]
     speedup = checks["spawn"] / checks["warm"]
     lines = [
-        f"Command: `python benchmarks/bench_runtime.py --checks {opts.checks} --steps {opts.steps}`  ",
+        f"Command: `python benchmarks/bench_runtime.py --checks {opts.checks} --steps {opts.steps} "
+        f"--rounds {opts.rounds}`  ",
         f"Machine: {machine()}",
         "",
         "(a) Warm check latency: `assert_equivalent` of zoo `mlp` (4 stages, 4 ranks, 4 micro-batches, "
@@ -198,7 +205,8 @@ def main() -> None:
         f"(n={checks['n_spawn']}) | {speedup:.1f}x | >= 20x: {'met' if speedup >= 20 else 'NOT met'} |",
         "",
         f"(b) Step time, 4-stage MLP (width {WIDTH}, batch {BATCH}), {MICROBATCHES} micro-batches, 4 gloo ranks, "
-        f"median of {opts.steps} steps between barriers, slowest rank:",
+        f"median of {opts.steps} steps between barriers on the slowest rank, median over {opts.rounds} "
+        f"alternating rounds (per-round ratios: {', '.join(f'{r:.2f}' for r in step['ratios'])}):",
         "",
         "| pipecheck 1F1B | torch Schedule1F1B | ratio | target |",
         "| --- | --- | --- | --- |",

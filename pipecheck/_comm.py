@@ -19,6 +19,7 @@ requires grad gets a tensor (zeros where the consumer produced none).
 
 from __future__ import annotations
 
+import functools
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,12 @@ class Layout:
     @property
     def resend(self) -> bool:
         return not all(self.is_tensor)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec(text: str) -> pytree.TreeSpec:
+    """Decoded once per distinct structure, not once per received micro-batch."""
+    return pytree.treespec_loads(text)
 
 
 def layout_of(value: Any) -> Layout:
@@ -121,6 +128,11 @@ class Links:
     def _check_layout(sent: Layout, value: Any, edge: Edge, mb: int) -> None:
         """The receiver allocates from the cached layout: a value whose shape changes between
         micro-batches (data-dependent shapes) must fail here, clearly, not corrupt its buffers."""
+        leaves = pytree.tree_leaves(value)
+        if len(leaves) == len(sent.leaves) and all(
+                (tuple(v.shape), v.dtype, v.requires_grad) == described if is_tensor else v == described
+                for v, described, is_tensor in zip(leaves, sent.leaves, sent.is_tensor)):
+            return  # the common case, without re-serialising the structure
         now = layout_of(value)
         if now.leaves != sent.leaves or now.spec != sent.spec:
             producer, name, consumer = edge
@@ -164,7 +176,7 @@ class Links:
         received = iter(self._wait(posted))
         leaves = [next(received).requires_grad_(described[2]) if is_tensor else described
                   for described, is_tensor in zip(layout.leaves, layout.is_tensor)]
-        return pytree.tree_unflatten(leaves, pytree.treespec_loads(layout.spec))
+        return pytree.tree_unflatten(leaves, _spec(layout.spec))
 
     def recv_value(self, producer: int, name: str, consumer: int, mb: int) -> Any:
         return self.finish_value(self.post_value(producer, name, consumer, mb))
