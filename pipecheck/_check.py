@@ -16,7 +16,6 @@ import dataclasses
 import inspect
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,12 +39,6 @@ from pipecheck._runners import resolve_runner
 from pipecheck._trace import SplitSpec, _bind_signature, check_tracer
 from pipecheck.losses import check_scalar_loss, projection_loss, projection_target
 from pipecheck.policies import Policy
-
-
-@dataclass
-class EagerRun:
-    result: StepResult
-    seconds: float
 
 
 def eager_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn | None,

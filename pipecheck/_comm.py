@@ -1,9 +1,9 @@
 """Point-to-point transfer of stage values and their gradients between ranks.
 
-    link = Links(pipe, stage_to_rank, ctx)
+    link = Links(pipe, stage_to_rank, ctx.device, ctx.comm_device)
     link.send_value(producer, name, consumer, mb, value)    # forward: after F
-    value = link.recv_value(producer, name, consumer, mb)   # forward: before F
-    link.send_grads(...); link.recv_grads(...)              # backward, the other way
+    value = link.finish_value(link.post_value(producer, name, consumer, mb))   # before F
+    link.send_grads(...); link.finish_grads(link.post_grads(...))              # backward, the other way
 
 Every message has its own tag (edge, micro-batch, direction, leaf), so
 messages never match the wrong receive whatever order ranks run in. A value's
@@ -178,9 +178,6 @@ class Links:
                   for described, is_tensor in zip(layout.leaves, layout.is_tensor)]
         return pytree.tree_unflatten(leaves, _spec(layout.spec))
 
-    def recv_value(self, producer: int, name: str, consumer: int, mb: int) -> Any:
-        return self.finish_value(self.post_value(producer, name, consumer, mb))
-
     def send_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any, grads: LeafGrads) -> None:
         """Send the gradient of every leaf of ``value`` (this stage's input) that requires grad."""
         edge = (producer, name, consumer)
@@ -208,9 +205,6 @@ class Links:
         received = iter(self._wait(posted))
         return [next(received) if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
                 for leaf in pytree.tree_leaves(posted.value)]
-
-    def recv_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> LeafGrads:
-        return self.finish_grads(self.post_grads(producer, name, consumer, mb, value))
 
     def _wait(self, posted: Posted) -> list[torch.Tensor]:
         for work in posted.works:

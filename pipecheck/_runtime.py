@@ -326,9 +326,9 @@ def _merge_input_grads(per_key: Mapping[tuple[int, str, int], LeafGrads], n: int
     return merged
 
 
-def execute(world: World, job: Job) -> StepResult:
-    """Run ``job`` on ``world`` and gather one StepResult."""
-    pipe = job.split()
+def execute(world: World, job: Job, pipe: Pipe | None = None) -> StepResult:
+    """Run ``job`` on ``world`` and gather one StepResult (``pipe``: the job's split, if made already)."""
+    pipe = pipe or job.split()
     plan = make_plan(job, pipe)
     if plan.schedule.n_ranks != world.world_size:
         raise InputError(f"schedule {plan.schedule.name!r} needs {plan.schedule.n_ranks} ranks but the World has "
@@ -366,14 +366,14 @@ def close_shared_worlds() -> None:
 
 def run_distributed(job: Job) -> StepResult:
     """The "distributed" runner: pipecheck's runtime on a shared (or the job's own) World."""
+    pipe = job.split()
     world = job.options.get("world")
     if world is None:
-        n_stages = job.split().num_stages
-        world_size = job.world_size or -(-n_stages // job.stages_per_rank)
+        world_size = job.world_size or -(-pipe.num_stages // job.stages_per_rank)
         world = shared_world(world_size, job.device)
     elif job.world_size is not None and job.world_size != world.world_size:
         raise InputError(f"world_size={job.world_size} but the given World has {world.world_size} ranks.")
-    return execute(world, job)
+    return execute(world, job, pipe)
 
 
 def run_pipeline(world: World, model: Any, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
