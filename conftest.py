@@ -12,3 +12,6 @@ os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")
 # Tiny tensors, several processes per core under `pytest -n auto` and distributed ranks:
 # intra-op threads only oversubscribe the cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# tests/test_plugin.py runs real pytest sessions against pipecheck's plugin.
+pytest_plugins = ["pytester"]

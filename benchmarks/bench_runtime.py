@@ -17,7 +17,6 @@ import pickle
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -27,8 +26,10 @@ import torch.nn.functional as F
 from pipecheck.fixtures import get
 
 import pipecheck as pc
-from pipecheck._runtime import RankPlan, _RankRunner, make_plan, merge_rank_results, rank_step
-from pipecheck._timeline import bubble_fraction
+from pipecheck._distributed_runner import merge_rank_results, plan_schedule, step_spec
+from pipecheck._runtime import StageExecutor, StepSpec, rank_step
+from pipecheck._timeline import measured_bubble_fraction
+from pipecheck._world import RankContext
 
 try:
     from _results import machine, median, write_section
@@ -63,8 +64,7 @@ SPEC = {f"layers.{i}": "BEGINNING" for i in range(1, STAGES)}
 def _spawned_rank(rank: int, plan: Any, folder: str, world_size: int) -> None:
     store = dist.FileStore(f"{folder}/store", world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    ctx = SimpleNamespace(rank=rank, world_size=world_size, device=torch.device("cpu"), backend="gloo",
-                          comm_device=torch.device("cpu"), stage=None, action=None)
+    ctx = RankContext(rank=rank, world_size=world_size, device=torch.device("cpu"), backend="gloo")
     result = rank_step(ctx, plan)
     Path(f"{folder}/{rank}.pkl").write_bytes(pickle.dumps(result))
     dist.destroy_process_group()
@@ -72,8 +72,8 @@ def _spawned_rank(rank: int, plan: Any, folder: str, world_size: int) -> None:
 
 def spawn_runner(job: pc.Job) -> pc.StepResult:
     """The same runtime, but a fresh process group per check, as torch.multiprocessing.spawn tests do."""
-    pipe = job.split()
-    plan = make_plan(job, pipe)
+    pipe = job.structure()
+    plan = step_spec(job, plan_schedule(job, pipe))
     world_size = plan.schedule.n_ranks
     with tempfile.TemporaryDirectory() as folder:
         torch.multiprocessing.spawn(_spawned_rank, args=(plan, folder, world_size), nprocs=world_size, join=True)
@@ -87,8 +87,7 @@ def bench_checks(n_checks: int) -> dict[str, float]:
 
     def check(runner: Any, world: Any = None) -> float:
         started = time.perf_counter()
-        pc.assert_equivalent(entry.factory(), args, kwargs, runner=runner, n_microbatches=4,
-                             options={"world": world} if world else None)
+        pc.assert_equivalent(entry.factory(), args, kwargs, runner=runner, n_microbatches=4, world=world)
         return time.perf_counter() - started
 
     with pc.World(4) as world:
@@ -116,8 +115,8 @@ def _timed(step: Any, n_steps: int) -> float:
     return median(times)
 
 
-def pipecheck_steps(ctx: Any, plan: RankPlan, n_steps: int) -> float:
-    runner = _RankRunner(ctx, plan)
+def pipecheck_steps(ctx: Any, plan: StepSpec, n_steps: int) -> float:
+    runner = StageExecutor(ctx, plan)
     torch.set_num_threads(1)
     return _timed(runner.run, n_steps)
 
@@ -152,7 +151,7 @@ def bench_step(n_steps: int, rounds: int) -> dict[str, Any]:
     x, target = bench_inputs()
     job = pc.Job(model=pc.ModelFactory(BenchMLP), args=(x,), split_spec=SPEC, loss_fn=_loss, target=target,
                  n_microbatches=MICROBATCHES, schedule="1f1b")
-    plan = make_plan(job, job.split())
+    plan = step_spec(job, plan_schedule(job, job.split()))
     ours, theirs = [], []
     with pc.World(STAGES, timeout=600) as world:
         for _ in range(rounds):
@@ -175,7 +174,7 @@ def bench_bubbles() -> list[tuple[str, int, int, float, float]]:
                 res = pc.run_pipeline(world, BenchMLP, (x,), split_spec=SPEC, schedule=schedule, n_microbatches=m,
                                       loss_fn=_loss, target=target)  # the second, warm step is measured
                 theory = (STAGES - 1) / (m + STAGES - 1)
-                rows.append((schedule, STAGES, m, bubble_fraction(res.events), theory))
+                rows.append((schedule, STAGES, m, measured_bubble_fraction(res.events), theory))
     return rows
 
 

@@ -30,7 +30,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 import pipecheck as pc
 from pipecheck import strategies as pst
-from pipecheck._runtime import close_shared_worlds, shared_world
 
 try:
     from _results import machine, write_section
@@ -51,7 +50,7 @@ def cases_per_second(runner: str, n_cases: int) -> tuple[float, float]:
     def check(case: pst.PipelineCase) -> None:
         extra: dict[str, Any] = {}
         if runner == "distributed":
-            extra["options"] = {"world": shared_world(case.world_size)}
+            extra["world"] = pc.World.shared(case.world_size)
         case.check(**extra)
         done[0] += 1
 
@@ -72,7 +71,7 @@ def warm_worlds(max_world_size: int) -> float:
         case = pst.PipelineCase(spec, {f"l{k}": pc.SplitPoint.BEGINNING for k in range(1, stages)},
                                 schedule="gpipe", stages_per_rank=stages // world_size,
                                 world_size=world_size, runner="distributed")
-        case.check(options={"world": shared_world(world_size)})
+        case.check(world=pc.World.shared(world_size))
     return time.perf_counter() - started
 
 
@@ -89,7 +88,7 @@ def throughput(opts: argparse.Namespace) -> None:
             label = f"{threads} (default)" if n_threads == threads else "1"
             rows.append((runner, "fp32", label, n_cases, seconds, rate))
         torch.set_num_threads(threads)
-    close_shared_worlds()
+    pc.World.close_shared()
     best = {runner: max(r[5] for r in rows if r[0] == runner) for runner in TARGETS}
     lines = [
         f"Command: `python benchmarks/bench_strategies.py --cases {opts.cases} "

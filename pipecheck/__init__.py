@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "InputError": "pipecheck._errors",
     "Job": "pipecheck._job",
     "LossError": "pipecheck._errors",
-    "ModelFactory": "pipecheck._job",
+    "ModelFactory": "pipecheck._model_factory",
     "NonFiniteError": "pipecheck._errors",
     "Pipe": "pipecheck._pipe",
     "PipecheckError": "pipecheck._errors",
@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
     "WorldError": "pipecheck._errors",
     "merge_microbatches": "pipecheck._microbatch",
     "pipe_split": "pipecheck._markers",
-    "run_pipeline": "pipecheck._runtime",
+    "run_pipeline": "pipecheck._distributed_runner",
     "split": "pipecheck._pipe",
     "split_microbatches": "pipecheck._microbatch",
 }
@@ -72,6 +72,7 @@ def __dir__() -> list[str]:
 if typing.TYPE_CHECKING:
     from pipecheck import losses, policies, schedules, strategies
     from pipecheck._check import assert_equivalent
+    from pipecheck._distributed_runner import run_pipeline
     from pipecheck._errors import (
         EngineError,
         EquivalenceError,
@@ -84,13 +85,13 @@ if typing.TYPE_CHECKING:
         TraceError,
         WorldError,
     )
-    from pipecheck._job import Job, ModelFactory, Runner
+    from pipecheck._job import Job, Runner
     from pipecheck._markers import SplitPoint, pipe_split
     from pipecheck._microbatch import merge_microbatches, split_microbatches
+    from pipecheck._model_factory import ModelFactory
     from pipecheck._numerics import Tolerance
     from pipecheck._pipe import Edge, Pipe, Source, Stage, TiedGroup, split
     from pipecheck._reference import DetachExecutor
     from pipecheck._report import Report
     from pipecheck._result import StepResult
-    from pipecheck._runtime import run_pipeline
     from pipecheck._world import World

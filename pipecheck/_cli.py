@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import importlib.util
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,10 +19,9 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 
 def available_runners() -> list[str]:
-    runners = ["reference", "distributed"]
-    if importlib.util.find_spec("pipecheck._torch_runner") is not None:
-        runners.append("torch")
-    return runners
+    from pipecheck._runners import BUILTIN
+
+    return list(BUILTIN)
 
 
 def _dtype(name: str) -> Any:

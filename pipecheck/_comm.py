@@ -5,10 +5,10 @@
     value = link.finish_value(link.post_value(producer, name, consumer, mb))   # before F
     link.send_grads(...); link.finish_grads(link.post_grads(...))              # backward, the other way
 
-Every message has its own tag (edge, micro-batch, direction, leaf), so
+Every message has its own tag (channel, micro-batch, direction, leaf), so
 messages never match the wrong receive whatever order ranks run in. A value's
 layout (pytree structure, shapes, dtypes, requires_grad, non-tensor leaves) is
-sent on the edge's first use and cached on both sides (for the life of the
+sent on the channel's first use and cached on both sides (for the life of the
 Links, so repeated steps skip it); again with every micro-batch only when the
 value holds non-tensor leaves. Once a layout is known, the receives of a later
 action can be posted ahead of time (``post_value`` / ``post_grads``) and
@@ -61,7 +61,7 @@ def layout_of(value: Any) -> Layout:
     return Layout(pytree.treespec_dumps(spec), described, tuple(isinstance(v, torch.Tensor) for v in leaves))
 
 
-Edge = tuple[int, str, int]  # (producer stage, value name, consumer stage)
+Channel = tuple[int, str, int]  # (producer stage, value name, consumer stage): one value to one consumer
 
 
 @dataclass
@@ -82,16 +82,16 @@ class Links:
         self.stage_to_rank = stage_to_rank
         self.device = device
         self.comm_device = comm_device
-        edges = sorted({(e.src, e.name, e.dst) for e in pipe.edges if e.src is not None},
-                       key=lambda e: (e[0], e[2], e[1]))
-        self.edge_ids = {edge: i for i, edge in enumerate(edges)}
-        self.layouts: dict[int, Layout] = {}  # received, by edge id; kept across steps
+        channels = sorted({(e.src, e.name, e.dst) for e in pipe.edges if e.src is not None},
+                          key=lambda c: (c[0], c[2], c[1]))
+        self.channel_ids = {channel: i for i, channel in enumerate(channels)}
+        self.layouts: dict[int, Layout] = {}  # received, by channel id; kept across steps
         self.sent_layouts: dict[int, Layout] = {}
         self.pending: list[Any] = []
 
-    def _tag(self, edge: Edge, mb: int, backward: bool, slot: int) -> int:
-        eid = self.edge_ids[edge]
-        return ((mb * len(self.edge_ids) + eid) * 2 + int(backward)) * LEAF_SLOTS + slot
+    def _tag(self, channel: Channel, mb: int, backward: bool, slot: int) -> int:
+        cid = self.channel_ids[channel]
+        return ((mb * len(self.channel_ids) + cid) * 2 + int(backward)) * LEAF_SLOTS + slot
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self.pending.append(dist.isend(tensor.detach().to(self.comm_device).contiguous(), dst, tag=tag))
@@ -101,31 +101,31 @@ class Links:
         posted.works.append(dist.irecv(buffer, src, tag=tag))
         posted.buffers.append(buffer)
 
-    def _needs_layout(self, eid: int, known: dict[int, Layout]) -> bool:
-        """A layout travels on an edge's first use, and every time if the value has non-tensor leaves."""
-        return eid not in known or known[eid].resend
+    def _needs_layout(self, cid: int, known: dict[int, Layout]) -> bool:
+        """A layout travels on a channel's first use, and every time if the value has non-tensor leaves."""
+        return cid not in known or known[cid].resend
 
     def send_value(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> None:
-        edge = (producer, name, consumer)
+        channel = (producer, name, consumer)
         dst = self.stage_to_rank[consumer]
         tensors = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
         if len(tensors) > LEAF_SLOTS - 2:
             raise EngineError(f"value {name!r} of stage {producer} has {len(tensors)} tensors; "
                               f"at most {LEAF_SLOTS - 2} can cross a stage boundary as one value.")
-        eid = self.edge_ids[edge]
-        if not self._needs_layout(eid, self.sent_layouts):
-            self._check_layout(self.sent_layouts[eid], value, edge, mb)
+        cid = self.channel_ids[channel]
+        if not self._needs_layout(cid, self.sent_layouts):
+            self._check_layout(self.sent_layouts[cid], value, channel, mb)
         else:
             layout = layout_of(value)
-            self.sent_layouts[eid] = layout
+            self.sent_layouts[cid] = layout
             payload = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
-            self._isend(torch.tensor([payload.numel()], dtype=torch.int64), dst, self._tag(edge, mb, False, 0))
-            self._isend(payload, dst, self._tag(edge, mb, False, 1))
+            self._isend(torch.tensor([payload.numel()], dtype=torch.int64), dst, self._tag(channel, mb, False, 0))
+            self._isend(payload, dst, self._tag(channel, mb, False, 1))
         for i, tensor in enumerate(tensors):
-            self._isend(tensor, dst, self._tag(edge, mb, False, 2 + i))
+            self._isend(tensor, dst, self._tag(channel, mb, False, 2 + i))
 
     @staticmethod
-    def _check_layout(sent: Layout, value: Any, edge: Edge, mb: int) -> None:
+    def _check_layout(sent: Layout, value: Any, channel: Channel, mb: int) -> None:
         """The receiver allocates from the cached layout: a value whose shape changes between
         micro-batches (data-dependent shapes) must fail here, clearly, not corrupt its buffers."""
         leaves = pytree.tree_leaves(value)
@@ -135,7 +135,7 @@ class Links:
             return  # the common case, without re-serialising the structure
         now = layout_of(value)
         if now.leaves != sent.leaves or now.spec != sent.spec:
-            producer, name, consumer = edge
+            producer, name, consumer = channel
             shapes = [leaf[0] for leaf, is_tensor in zip(now.leaves, now.is_tensor) if is_tensor]
             before = [leaf[0] for leaf, is_tensor in zip(sent.leaves, sent.is_tensor) if is_tensor]
             raise EngineError(
@@ -147,26 +147,26 @@ class Links:
 
     def can_post_value(self, producer: int, name: str, consumer: int) -> bool:
         """True when the value's layout is known, so its receives can be posted ahead of time."""
-        return not self._needs_layout(self.edge_ids[(producer, name, consumer)], self.layouts)
+        return not self._needs_layout(self.channel_ids[(producer, name, consumer)], self.layouts)
 
     def post_value(self, producer: int, name: str, consumer: int, mb: int) -> Posted:
         """Post the receives of one value (blocking only for a layout it has not seen yet)."""
-        edge = (producer, name, consumer)
+        channel = (producer, name, consumer)
         src = self.stage_to_rank[producer]
-        eid = self.edge_ids[edge]
-        if self._needs_layout(eid, self.layouts):
+        cid = self.channel_ids[channel]
+        if self._needs_layout(cid, self.layouts):
             size = torch.empty((1,), dtype=torch.int64, device=self.comm_device)
-            dist.recv(size, src, tag=self._tag(edge, mb, False, 0))
+            dist.recv(size, src, tag=self._tag(channel, mb, False, 0))
             payload = torch.empty((int(size.item()),), dtype=torch.uint8, device=self.comm_device)
-            dist.recv(payload, src, tag=self._tag(edge, mb, False, 1))
-            self.layouts[eid] = pickle.loads(bytes(payload.cpu().tolist()))  # small; no numpy needed
-        layout = self.layouts[eid]
+            dist.recv(payload, src, tag=self._tag(channel, mb, False, 1))
+            self.layouts[cid] = pickle.loads(bytes(payload.cpu().tolist()))  # small; no numpy needed
+        layout = self.layouts[cid]
         posted = Posted(layout=layout)
         slot = 2
         for described, is_tensor in zip(layout.leaves, layout.is_tensor):
             if is_tensor:
                 shape, dtype, _ = described
-                self._irecv(posted, shape, dtype, src, self._tag(edge, mb, False, slot))
+                self._irecv(posted, shape, dtype, src, self._tag(channel, mb, False, slot))
                 slot += 1
         return posted
 
@@ -180,24 +180,24 @@ class Links:
 
     def send_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any, grads: LeafGrads) -> None:
         """Send the gradient of every leaf of ``value`` (this stage's input) that requires grad."""
-        edge = (producer, name, consumer)
+        channel = (producer, name, consumer)
         dst = self.stage_to_rank[producer]
         slot = 2
         for leaf, grad in zip(pytree.tree_leaves(value), grads):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 self._isend(grad if grad is not None else torch.zeros_like(leaf), dst,
-                            self._tag(edge, mb, True, slot))
+                            self._tag(channel, mb, True, slot))
                 slot += 1
 
     def post_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> Posted:
         """Post the receives of the gradient of ``value`` (this stage's output) from ``consumer``."""
-        edge = (producer, name, consumer)
+        channel = (producer, name, consumer)
         src = self.stage_to_rank[consumer]
         posted = Posted(value=value)
         slot = 2
         for leaf in pytree.tree_leaves(value):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                self._irecv(posted, tuple(leaf.shape), leaf.dtype, src, self._tag(edge, mb, True, slot))
+                self._irecv(posted, tuple(leaf.shape), leaf.dtype, src, self._tag(channel, mb, True, slot))
                 slot += 1
         return posted
 

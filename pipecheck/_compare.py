@@ -18,15 +18,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecheck._diagnose import diagnose_grad, diagnose_output, dropped_skip_hint, matches
+from pipecheck._eager import output_name
 from pipecheck._job import Job
 from pipecheck._numerics import Row, ToleranceLike, compare
 from pipecheck._pipe import Pipe
 from pipecheck._reference import DetachExecutor
 from pipecheck._result import StepResult
-
-
-def output_name(path: tuple[Any, ...]) -> str:
-    return "output" + pytree.keystr(path)
 
 
 def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,

@@ -1,10 +1,54 @@
-"""The one exception family of pipecheck.
+"""The one exception family of pipecheck, and the record a rank's exception travels as.
 
 Every error a user can trigger derives from :class:`PipecheckError`. Messages
-state the rule, the values seen and the fix.
+state the rule, the values seen and the fix. An exception raised on a worker
+rank crosses to the driver as a :class:`RankError`: typed fields, never text
+to be parsed back.
 """
 
 from __future__ import annotations
+
+import traceback as _traceback
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankError:
+    """An exception raised on one rank, as data: picklable whatever the exception was.
+
+    ``causes`` are the ``(type, message)`` of its ``__cause__`` chain, outermost
+    first (torch wraps a stage's error as "[Stage 0] failed to run forward").
+    """
+
+    exc_type: str  # "TypeError", "torch.distributed.DistBackendError"
+    message: str
+    rank: int
+    stage: int | None
+    action: str | None
+    traceback: str
+    causes: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_exception(cls, error: BaseException, rank: int, stage: int | None, action: str | None,
+                       traceback: str | None = None) -> RankError:
+        causes: list[tuple[str, str]] = []
+        cause = error.__cause__
+        while cause is not None and len(causes) < 8:
+            causes.append((_type_name(cause), str(cause)))
+            cause = cause.__cause__
+        text = traceback if traceback is not None else "".join(_traceback.format_exception(error))
+        return cls(_type_name(error), str(error), rank, stage, action, text, tuple(causes))
+
+    @property
+    def summary(self) -> str:
+        """``"ValueError: bad shape"``: the type and the first line of the message."""
+        first = next((line.strip() for line in self.message.splitlines() if line.strip()), "")
+        return f"{self.exc_type}: {first}" if first else self.exc_type
+
+
+def _type_name(error: BaseException) -> str:
+    kind = type(error)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 class PipecheckError(Exception):
@@ -36,7 +80,19 @@ class WorldError(PipecheckError):
 
 
 class EngineError(PipecheckError):
-    """The pipeline engine under test failed to run the job (not a numerical mismatch)."""
+    """The pipeline engine under test failed to run the job (not a numerical mismatch).
+
+    ``engine`` names the engine, ``rank`` and ``stage`` say where it failed when
+    known, and ``cause`` is the failing rank's :class:`RankError`.
+    """
+
+    def __init__(self, message: str, *, engine: str | None = None, rank: int | None = None,
+                 stage: int | None = None, cause: RankError | None = None) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.rank = rank
+        self.stage = stage
+        self.cause = cause
 
 
 class NonFiniteError(PipecheckError):
@@ -59,24 +115,32 @@ class WorldStartError(WorldError):
     """The worker processes of a :class:`pipecheck.World` could not be started."""
 
 
-class JobPickleError(WorldError):
-    """A job (its function, arguments or keyword arguments) cannot be sent to the ranks."""
+class TaskPickleError(WorldError):
+    """A task (its function, arguments or keyword arguments) cannot be sent to the ranks."""
 
 
 class RankFailedError(WorldError):
-    """A rank raised while running a job; ``rank``, ``stage`` and ``traceback`` say where."""
+    """A rank raised while running a task; ``error`` is what it raised, as a :class:`RankError`."""
 
-    def __init__(
-        self, message: str, rank: int = -1, stage: int | None = None, traceback: str = ""
-    ) -> None:
+    def __init__(self, message: str, error: RankError) -> None:
         super().__init__(message)
-        self.rank = rank
-        self.stage = stage
-        self.traceback = traceback
+        self.error = error
+
+    @property
+    def rank(self) -> int:
+        return self.error.rank
+
+    @property
+    def stage(self) -> int | None:
+        return self.error.stage
+
+    @property
+    def traceback(self) -> str:
+        return self.error.traceback
 
 
 class RankTimeoutError(WorldError):
-    """Some ranks did not finish a job in time; ``stacks`` maps every rank to its Python stack."""
+    """Some ranks did not finish a task in time; ``stacks`` maps every rank to its Python stack."""
 
     def __init__(
         self,
@@ -92,7 +156,7 @@ class RankTimeoutError(WorldError):
 
 
 class RankDiedError(WorldError):
-    """A rank's process exited during a job (os._exit, a signal, a crash)."""
+    """A rank's process exited during a task (os._exit, a signal, a crash)."""
 
     def __init__(
         self, message: str, rank: int = -1, exitcode: int | None = None, stage: int | None = None

@@ -9,87 +9,34 @@
 
 A runner is any callable ``runner(job) -> StepResult``. ``job.model`` is a
 picklable zero-argument factory, which is what travels to worker processes.
+``job.pipe`` is the check's own split, for reading its structure;
+``job.split()`` gives a private copy to run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
-from pipecheck._errors import InputError
 from pipecheck._pipe import Pipe, split
 from pipecheck._result import StepResult
+from pipecheck.losses import LossFn
 from pipecheck.policies import Policy
 
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Run a block with every RNG seeded, and leave the caller's RNG states exactly as they were.
-
-    ``torch.manual_seed`` would also queue a lazy reseed of CUDA that ``fork_rng(devices=[])``
-    never undoes; CUDA is seeded (and restored) only where it is already initialised.
-    """
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    devices = list(range(torch.cuda.device_count())) if cuda else []
-    with torch.random.fork_rng(devices=devices):
-        torch.default_generator.manual_seed(seed)
-        if cuda:
-            torch.cuda.manual_seed_all(seed)
-        yield
-
-
-@dataclass
-class ModelFactory:
-    """Builds the model under test: seeded, deep-copied or freshly made, cast to dtype/device.
-
-    The global RNG is left as it was (the seed is applied inside ``fork_rng``).
-    """
-
-    source: nn.Module | Callable[[], nn.Module]
-    dtype: torch.dtype | None = None
-    device: str | torch.device | None = None
-    seed: int = 0
-
-    def __call__(self) -> nn.Module:
-        with seeded(self.seed):
-            if isinstance(self.source, nn.Module):
-                model = copy.deepcopy(self.source)
-            else:
-                model = self.source()
-                if not isinstance(model, nn.Module):
-                    raise InputError(f"model factory {self.source!r} returned {type(model).__name__}, "
-                                     "not an nn.Module. Fix: return the module.")
-        if self.dtype is not None or self.device is not None:
-            model = model.to(device=self.device, dtype=self.dtype)
-        return model
-
-
-def cast_inputs(value: Any, dtype: torch.dtype | None, device: str | torch.device | None) -> Any:
-    """Copy floating tensors to ``dtype``/``device``, keeping requires_grad; never in place."""
-
-    def cast(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        target_dtype = dtype if dtype is not None and leaf.is_floating_point() else leaf.dtype
-        if target_dtype == leaf.dtype and (device is None or torch.device(device) == leaf.device):
-            return leaf
-        return leaf.detach().to(device=device, dtype=target_dtype).requires_grad_(leaf.requires_grad)
-
-    return pytree.tree_map(cast, value)
-
+if TYPE_CHECKING:
+    from pipecheck._world import World
 
 @dataclass
 class Job:
-    """Everything a runner needs for one step of one model."""
+    """Everything a runner needs for one step of one model.
+
+    ``world`` is a World to run on (None: the runner picks a shared one of
+    ``world_size`` ranks); ``trace_path`` asks for a Chrome-trace timeline.
+    """
 
     model: Callable[[], nn.Module]
     args: tuple[Any, ...]
@@ -105,15 +52,23 @@ class Job:
     stages_per_rank: int = 1
     device: str = "cpu"
     timeout: float | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # runner-specific extras (e.g. trace_path)
+    world: World | None = None
+    trace_path: str | None = None
+    pipe: Pipe | None = field(default=None, repr=False)  # the check's split of ``model``, if made
 
     def build_model(self) -> nn.Module:
         return self.model()
 
     def split(self) -> Pipe:
-        """The job's model cut as the job asks, ready for a pipeline engine."""
-        return split(self.build_model(), self.args, self.kwargs, split_spec=self.split_spec,
-                     policy=self.policy, tracer=self.tracer)
+        """The job's model cut as the job asks: a private copy, safe to run (running changes buffers)."""
+        if self.pipe is not None:
+            return copy.deepcopy(self.pipe)
+        return split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
+                     tracer=self.tracer)
+
+    def structure(self) -> Pipe:
+        """The job's split for reading its stages, edges and tied groups (not for running)."""
+        return self.pipe if self.pipe is not None else self.split()
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ is deep-copied first, so the user's module is never touched.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,9 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._errors import SplitError
+from pipecheck._inputs import as_args
 from pipecheck._markers import PIPE_SPLIT_OP, is_marker
+from pipecheck._model_factory import ModelLike, build_module
 from pipecheck._trace import SplitSpec, Traced, check_tracer, normalize_split_spec, trace
 from pipecheck.policies import Policy, Unit, validate_cuts
 
@@ -97,6 +99,15 @@ class Pipe:
         self.model_name = model_name
         self._bind = traced.bind
         self._holders = _param_holders(stages)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Pipe:
+        """Stages copied with their parameters and buffers (ties kept); the output structure shared
+        (a TreeSpec is immutable, and deep-copying one warns)."""
+        memo[id(self.out_spec)] = self.out_spec
+        copied = object.__new__(Pipe)
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     @property
     def num_stages(self) -> int:
@@ -294,20 +305,6 @@ def _param_holders(stages: list[Stage]) -> dict[str, tuple[int, ...]]:
     return {fqn: tuple(indices) for fqn, indices in holders.items()}
 
 
-ModelLike = nn.Module | Callable[[], nn.Module]
-
-
-def resolve_model(model: ModelLike) -> nn.Module:
-    if isinstance(model, nn.Module):
-        return model
-    if callable(model):
-        built = model()
-        if isinstance(built, nn.Module):
-            return built
-        raise SplitError(f"model factory {model!r} returned {type(built).__name__}, not an nn.Module.")
-    raise SplitError(f"model must be an nn.Module or a zero-argument factory returning one, got {type(model).__name__}.")
-
-
 def split(model: ModelLike, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
           split_spec: SplitSpec | None = None, policy: Policy | None = None, tracer: str = "fx") -> Pipe:
     """Cut ``model`` into pipeline stages at ``pipe_split()`` markers, ``split_spec`` or ``policy``.
@@ -315,15 +312,16 @@ def split(model: ModelLike, args: Sequence[Any] | Any, kwargs: Mapping[str, Any]
         pipe = pc.split(model, (x,), split_spec={"layers.2": pc.SplitPoint.BEGINNING})
         pipe = pc.split(model, (x,), policy=pc.policies.balanced_params(4))
 
-    The model is deep-copied; stage modules share parameters with that copy,
-    never with ``model``.
+    An nn.Module is deep-copied, so stage modules never share parameters with
+    ``model``; a factory's fresh module is used as built.
     """
     if split_spec is not None and policy is not None:
         raise SplitError("both split_spec and policy were given; they disagree on where to cut. "
                          "Fix: pass one of them.")
     check_tracer(tracer)
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    copied = copy.deepcopy(resolve_model(model))
+    args = as_args(args)
+    built, owned = build_module(model)
+    copied = built if owned else copy.deepcopy(built)
     spec = normalize_split_spec(copied, split_spec or {})
     traced = trace(copied, args, dict(kwargs or {}), spec, tracer)
     if policy is not None:

@@ -13,26 +13,27 @@ tied parameters (one parameter in several stages) are summed explicitly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from pipecheck._inputs import as_args
 from pipecheck._microbatch import merge_microbatches, split_microbatches
 from pipecheck._pipe import Pipe
 from pipecheck._result import StepResult
 from pipecheck._stage_step import (
+    InputGradKey,
     LeafGrads,
     StageForward,
     add_leaf_grads,
     add_param_grads,
+    merge_input_grads,
     stage_backward,
     stage_forward,
 )
-from pipecheck.losses import check_scalar_loss, default_microbatch_target, projection_loss
-
-LossFn = Callable[[Any, Any], torch.Tensor]
+from pipecheck.losses import LossFn, MicrobatchLoss
 
 
 def sum_stage_grads(per_stage: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -62,11 +63,12 @@ class DetachExecutor:
             forwards.append(fwd)
         return forwards
 
-    def backward_microbatch(self, forwards: list[StageForward], loss: torch.Tensor, loss_scale: float,
-                            param_grads: list[dict[str, torch.Tensor]],
-                            owned: list[set[str]]) -> dict[str, LeafGrads]:
-        """All stages' backwards of one micro-batch, last stage first. Returns model-input grads."""
-        pending: dict[tuple[int | None, str], LeafGrads] = {}
+    def backward_microbatch(self, mb: int, forwards: list[StageForward], loss: torch.Tensor, loss_scale: float,
+                            param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]],
+                            input_grads: dict[InputGradKey, LeafGrads]) -> None:
+        """All stages' backwards of micro-batch ``mb``, last stage first; model-input gradients
+        go to ``input_grads`` by (consuming stage, input name, micro-batch)."""
+        pending: dict[tuple[int, str], LeafGrads] = {}
         for stage in reversed(self.pipe.stages):
             fwd = forwards[stage.index]
             last = stage.index == self.pipe.num_stages - 1
@@ -74,11 +76,11 @@ class DetachExecutor:
             in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss if last else None, loss_scale)
             add_param_grads(param_grads[stage.index], p_grads, owned[stage.index])
             for src, grads in zip(stage.inputs, in_grads):
-                if src.stage is not None and (src.stage, src.name, stage.index) in self.drop_gradients:
-                    continue
-                key = (src.stage, src.name)
-                pending[key] = add_leaf_grads(pending.get(key), grads)
-        return {name: grads for (stage, name), grads in pending.items() if stage is None}
+                if src.stage is None:
+                    input_grads[(stage.index, src.name, mb)] = grads
+                elif (src.stage, src.name, stage.index) not in self.drop_gradients:
+                    key = (src.stage, src.name)
+                    pending[key] = add_leaf_grads(pending.get(key), grads)
 
     def step(self, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
              loss_fn: LossFn | None = None, target: Any = None, n_microbatches: int = 1) -> StepResult:
@@ -87,29 +89,22 @@ class DetachExecutor:
         Without ``loss_fn`` the loss is a seeded random projection of every output element.
         """
         started = time.perf_counter()
-        args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-        inputs = split_microbatches(self.pipe.bind_inputs(args, kwargs), n_microbatches)
+        inputs = split_microbatches(self.pipe.bind_inputs(as_args(args), kwargs), n_microbatches)
+        loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
         forwards = [self.forward_microbatch(mb) for mb in inputs]
         outputs = [pytree.tree_unflatten(list(f[-1].outputs), self.pipe.out_spec) for f in forwards]
         merged = merge_microbatches([pytree.tree_map(_detached, o) for o in outputs])
-        if loss_fn is None:
-            loss_fn = projection_loss
-            targets = [default_microbatch_target(out, m) for m, out in enumerate(outputs)]
-        elif target is not None:
-            targets = split_microbatches(target, n_microbatches, "target")
-        else:
-            targets = [None] * n_microbatches
-        losses = [check_scalar_loss(loss_fn(out, tgt), loss_fn) for out, tgt in zip(outputs, targets)]
+        losses = [loss_of(mb, out) for mb, out in enumerate(outputs)]
         param_grads: list[dict[str, torch.Tensor]] = [{} for _ in self.pipe.stages]
-        input_grads: list[dict[str, LeafGrads]] = []
+        input_grads: dict[InputGradKey, LeafGrads] = {}
         owned: list[set[str]] = [set() for _ in self.pipe.stages]
-        for fwd, loss in zip(forwards, losses):
-            input_grads.append(self.backward_microbatch(fwd, loss, 1.0 / n_microbatches, param_grads, owned))
+        for mb, (fwd, loss) in enumerate(zip(forwards, losses)):
+            self.backward_microbatch(mb, fwd, loss, 1.0 / n_microbatches, param_grads, owned, input_grads)
         return StepResult(
             outputs=merged,
             loss=torch.stack([loss.detach() for loss in losses]).mean(),
             grads=sum_stage_grads(param_grads),
-            input_grads=_merge_input_grads(input_grads),
+            input_grads=merge_input_grads(input_grads, n_microbatches),
             timings={"step_s": time.perf_counter() - started},
             stage_grads=param_grads,
         )
@@ -117,12 +112,3 @@ class DetachExecutor:
 
 def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
-
-
-def _merge_input_grads(per_mb: list[dict[str, LeafGrads]]) -> dict[str, torch.Tensor]:
-    merged: dict[str, torch.Tensor] = {}
-    for name in per_mb[0]:
-        leaves = [mb.get(name) for mb in per_mb]
-        if all(grads is not None and len(grads) == 1 and grads[0] is not None for grads in leaves):
-            merged[name] = merge_microbatches([grads[0] for grads in leaves])  # type: ignore[index]
-    return merged

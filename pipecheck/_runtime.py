@@ -1,40 +1,40 @@
-"""pipecheck's distributed stage runtime: run a Pipe's stages on a World's ranks.
+"""pipecheck's stage executor: one rank's share of a pipelined training step.
 
-    with pc.World(world_size=4) as world:
-        res = pc.run_pipeline(world, make_model, (x,), schedule="1f1b", n_microbatches=4)
+    results = world.run(rank_step, StepSpec(...))     # every rank: split, run its actions
+    results[r].grads[stage][fqn], results[r].outputs[mb], results[r].events
 
-Each rank splits the model (deterministically, from the job's seeded factory),
-keeps the stages the schedule gives it, and runs its list of actions: a
-forward receives the stage's inputs from whichever ranks produce them (a skip
-connection comes straight from its producer), runs the stage and sends each
-output to every consumer; a backward receives its outputs' gradients from
-every consumer, sums them in descending consumer order (as the reference
-does), and sends its inputs' gradients straight back to their producers.
-After the last action, gradients of tied parameters are all-reduced among the
-ranks holding replicas, so every replica ends with the full gradient.
+Each rank splits the model itself (deterministically, from the spec's seeded
+factory), keeps the stages the schedule gives it, and runs its list of
+actions: a forward receives the stage's inputs from whichever ranks produce
+them (a skip connection comes straight from its producer), runs the stage and
+sends each output to every consumer; a backward receives its outputs'
+gradients from every consumer, sums them in descending consumer order (as the
+reference does), and sends its inputs' gradients straight back to their
+producers. After the last action, gradients of tied parameters are
+all-reduced among the ranks holding replicas, so every replica ends with the
+full gradient. The driver side (planning, merging) is the "distributed" runner.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._comm import Edge, Links, Posted
-from pipecheck._errors import InputError
-from pipecheck._job import Job, ModelFactory, cast_inputs
-from pipecheck._microbatch import merge_microbatches, split_microbatches
-from pipecheck._pipe import Pipe, Stage
+from pipecheck._comm import Channel, Links, Posted
+from pipecheck._inputs import cast_inputs
+from pipecheck._microbatch import split_microbatches
+from pipecheck._model_factory import ModelFactory
+from pipecheck._pipe import Pipe, Stage, split
 from pipecheck._reference import sum_stage_grads
-from pipecheck._result import StepResult
 from pipecheck._stage_step import (
+    InputGradKey,
     LeafGrads,
     StageForward,
     add_leaf_grads,
@@ -42,18 +42,32 @@ from pipecheck._stage_step import (
     stage_backward,
     stage_forward,
 )
-from pipecheck._timeline import Event, write_chrome_trace
-from pipecheck._world import World
-from pipecheck.losses import check_scalar_loss, default_microbatch_target, projection_loss
-from pipecheck.schedules import Action, Schedule, make_schedule
+from pipecheck._timeline import Event
+from pipecheck._worker import RankContext
+from pipecheck.losses import MicrobatchLoss
+from pipecheck.policies import Policy
+from pipecheck.schedules import Action, Schedule
 
 
-@dataclass
-class RankPlan:
-    """What every rank receives: the job and the schedule (the same on all ranks)."""
+@dataclass(frozen=True)
+class StepSpec:
+    """What every rank receives for one step: how to split the model, its inputs, the schedule."""
 
-    job: Job
+    model: Callable[[], nn.Module]  # seeded and picklable (a ModelFactory is built on the rank's device)
+    split_spec: Mapping[str, Any] | None
+    policy: Policy | None
+    tracer: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    target: Any
     schedule: Schedule
+
+    def split_on(self, device: torch.device) -> Pipe:
+        """This rank's split of the model, built on ``device``."""
+        factory = self.model.on(device) if isinstance(self.model, ModelFactory) else self.model
+        return split(factory, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
+                     tracer=self.tracer)
 
 
 @dataclass
@@ -64,7 +78,7 @@ class RankResult:
     outputs: dict[int, list[Any]] = field(default_factory=dict)  # mb -> output leaves (last stage)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> grad
-    input_grads: dict[tuple[int, str, int], LeafGrads] = field(default_factory=dict)  # (stage, name, mb)
+    input_grads: dict[InputGradKey, LeafGrads] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
 
 
@@ -77,26 +91,21 @@ def _cpu(value: Any) -> Any:
     return pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
 
 
-class _RankRunner:
+class StageExecutor:
     """Executes one rank's actions of one step."""
 
-    def __init__(self, ctx: Any, plan: RankPlan) -> None:
-        job = plan.job
+    def __init__(self, ctx: RankContext, spec: StepSpec) -> None:
         self.ctx = ctx
-        self.job = job
-        self.schedule = plan.schedule
-        factory = job.model
-        if isinstance(factory, ModelFactory):
-            factory = dataclasses.replace(factory, device=ctx.device)
-        self.pipe = dataclasses.replace(job, model=factory).split()
         self.rank = ctx.rank
-        self.stage_to_rank = plan.schedule.stage_to_rank
+        self.schedule = spec.schedule
+        self.pipe = spec.split_on(ctx.device)
+        self.stage_to_rank = spec.schedule.stage_to_rank
         self.links = Links(self.pipe, self.stage_to_rank, ctx.device, ctx.comm_device)
-        n = job.n_microbatches
-        inputs = cast_inputs(self.pipe.bind_inputs(job.args, job.kwargs), None, ctx.device)
+        n = spec.schedule.n_microbatches
+        self.n_microbatches = n
+        inputs = cast_inputs(self.pipe.bind_inputs(spec.args, spec.kwargs), None, ctx.device)
         self.inputs = split_microbatches(inputs, n)
-        target = cast_inputs(job.target, None, ctx.device)
-        self.targets = split_microbatches(target, n, "target") if target is not None else [None] * n
+        self.loss_of = MicrobatchLoss(spec.loss_fn, cast_inputs(spec.target, None, ctx.device), n)
         self.consumers: dict[tuple[int, str], list[int]] = {}
         for edge in self.pipe.edges:
             if edge.src is not None:
@@ -120,42 +129,42 @@ class _RankRunner:
     def _record(self, category: str, name: str, start: int) -> None:
         self.result.events.append(Event(self.rank, category, name, start, time.monotonic_ns()))
 
-    def _edge_order(self, edges: list[tuple[int, str, int]]) -> list[tuple[int, str, int]]:
-        """Remote edges in one canonical order on both ends, so that backends which match
+    def _channel_order(self, channels: list[Channel]) -> list[Channel]:
+        """Remote channels in one canonical order on both ends, so that backends which match
         messages by order (NCCL ignores tags) pair every send with its receive."""
-        return sorted(edges, key=self.links.edge_ids.__getitem__)
+        return sorted(channels, key=self.links.channel_ids.__getitem__)
 
-    def _outgoing(self, s: int) -> list[tuple[int, str, int]]:
+    def _outgoing(self, s: int) -> list[Channel]:
         stage = self.pipe.stages[s]
-        return self._edge_order([(s, name, c) for name in stage.outputs
-                                 for c in self.consumers.get((s, name), ()) if not self._mine(c)])
+        return self._channel_order([(s, name, c) for name in stage.outputs
+                                    for c in self.consumers.get((s, name), ()) if not self._mine(c)])
 
-    def _incoming(self, s: int) -> list[tuple[int, str, int]]:
+    def _incoming(self, s: int) -> list[Channel]:
         stage = self.pipe.stages[s]
-        return self._edge_order([(src.stage, src.name, s) for src in stage.inputs
-                                 if src.stage is not None and not self._mine(src.stage)])
+        return self._channel_order([(src.stage, src.name, s) for src in stage.inputs
+                                    if src.stage is not None and not self._mine(src.stage)])
 
-    def _post(self, action: Action) -> dict[Edge, Posted]:
-        """Post every receive ``action`` needs, in canonical edge order."""
+    def _post(self, action: Action) -> dict[Channel, Posted]:
+        """Post every receive ``action`` needs, in canonical channel order."""
         s, mb = action.stage, action.microbatch
         if action.kind == "F":
-            return {edge: self.links.post_value(*edge, mb) for edge in self._incoming(s)}
+            return {channel: self.links.post_value(*channel, mb) for channel in self._incoming(s)}
         outputs = dict(zip(self.pipe.stages[s].outputs, self.forwards[(s, mb)].outputs))
-        return {edge: self.links.post_grads(*edge, mb, outputs[edge[1]]) for edge in self._outgoing(s)}
+        return {channel: self.links.post_grads(*channel, mb, outputs[channel[1]]) for channel in self._outgoing(s)}
 
     def _can_prefetch(self, action: Action) -> bool:
         """A backward's gradient shapes are its forward's outputs; a forward needs known layouts."""
         if action.kind == "B":
             return (action.stage, action.microbatch) in self.forwards
-        return all(self.links.can_post_value(*edge) for edge in self._incoming(action.stage))
+        return all(self.links.can_post_value(*channel) for channel in self._incoming(action.stage))
 
-    def forward(self, s: int, mb: int, posted: dict[Edge, Posted]) -> None:
+    def forward(self, s: int, mb: int, posted: dict[Channel, Posted]) -> None:
         stage = self.pipe.stages[s]
         received: dict[tuple[int, str], Any] = {}
-        for edge in self._incoming(s):
+        for channel in self._incoming(s):
             start = time.monotonic_ns()
-            received[(edge[0], edge[1])] = self.links.finish_value(posted[edge])
-            self._record("recv", f"{s}F{mb}<-{edge[0]}", start)
+            received[(channel[0], channel[1])] = self.links.finish_value(posted[channel])
+            self._record("recv", f"{s}F{mb}<-{channel[0]}", start)
         values = [self.inputs[mb][src.name] if src.stage is None
                   else self.local_values[(src.stage, src.name, mb)] if self._mine(src.stage)
                   else received[(src.stage, src.name)] for src in stage.inputs]
@@ -175,21 +184,18 @@ class _RankRunner:
             self._record("send", f"{s}F{mb}->{consumer}", start)
 
     def _loss(self, fwd: StageForward, mb: int) -> None:
-        outputs = pytree.tree_unflatten(list(fwd.outputs), self.pipe.out_spec)
-        loss_fn = self.job.loss_fn or projection_loss
-        target = self.targets[mb] if self.job.loss_fn is not None else default_microbatch_target(outputs, mb)
-        self.loss_values[mb] = check_scalar_loss(loss_fn(outputs, target), loss_fn)
+        self.loss_values[mb] = self.loss_of(mb, pytree.tree_unflatten(list(fwd.outputs), self.pipe.out_spec))
         self.result.outputs[mb] = _cpu(list(fwd.outputs))
         self.result.losses[mb] = self.loss_values[mb].detach().cpu()
 
-    def backward(self, s: int, mb: int, posted: dict[Edge, Posted]) -> None:
+    def backward(self, s: int, mb: int, posted: dict[Channel, Posted]) -> None:
         stage = self.pipe.stages[s]
         fwd = self.forwards.pop((s, mb))
         received: dict[tuple[str, int], LeafGrads] = {}
-        for edge in self._outgoing(s):
+        for channel in self._outgoing(s):
             start = time.monotonic_ns()
-            received[(edge[1], edge[2])] = self.links.finish_grads(posted[edge])
-            self._record("recv", f"{s}B{mb}<-{edge[2]}", start)
+            received[(channel[1], channel[2])] = self.links.finish_grads(posted[channel])
+            self._record("recv", f"{s}B{mb}<-{channel[2]}", start)
         out_grads: list[LeafGrads | None] = []
         for name in stage.outputs:
             total: LeafGrads | None = None
@@ -201,7 +207,7 @@ class _RankRunner:
         start = time.monotonic_ns()
         last = s == self.pipe.num_stages - 1
         in_grads, p_grads = stage_backward(stage, fwd, out_grads, self.loss_values.pop(mb) if last else None,
-                                           1.0 / self.job.n_microbatches)
+                                           1.0 / self.n_microbatches)
         add_param_grads(self.result.grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
         self._record("backward", f"{s}B{mb}", start)
         sent: dict[tuple[int, str], tuple[Any, LeafGrads]] = {}
@@ -242,7 +248,7 @@ class _RankRunner:
         """One step: this rank's actions, then the tied-gradient all-reduce."""
         self._reset()
         actions = self.schedule.actions[self.rank]
-        posted: dict[int, dict[Edge, Posted]] = {}
+        posted: dict[int, dict[Channel, Posted]] = {}
         for i, action in enumerate(actions):
             self.ctx.stage, self.ctx.action = action.stage, str(action)
             if i not in posted:
@@ -269,130 +275,6 @@ def _parameter(stage: Stage, fqn: str) -> torch.nn.Parameter:
                 if stage.local_to_fqn.get(local) == fqn)
 
 
-def rank_step(ctx: Any, plan: RankPlan) -> RankResult:
+def rank_step(ctx: RankContext, spec: StepSpec) -> RankResult:
     """The function every rank runs for one step (top-level, so it pickles)."""
-    # Ranks share the machine's cores: intra-op threads per rank would oversubscribe them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
-    return _RankRunner(ctx, plan).run()
-
-
-def make_plan(job: Job, pipe: Pipe) -> RankPlan:
-    schedule = job.schedule if isinstance(job.schedule, Schedule) else \
-        make_schedule(str(job.schedule), pipe.num_stages, job.n_microbatches, job.stages_per_rank)
-    if schedule.n_stages != pipe.num_stages or schedule.n_microbatches != job.n_microbatches:
-        raise InputError(f"schedule {schedule.name!r} is for {schedule.n_stages} stages and "
-                         f"{schedule.n_microbatches} micro-batches, but the split has {pipe.num_stages} stages "
-                         f"and n_microbatches={job.n_microbatches}. Fix: build the schedule for this split.")
-    schedule.validate(dependencies(pipe))
-    return RankPlan(dataclasses.replace(job, options={}), schedule)  # options hold driver-only objects
-
-
-def merge_rank_results(pipe: Pipe, results: Sequence[RankResult], n_microbatches: int) -> StepResult:
-    outputs: dict[int, list[Any]] = {}
-    losses: dict[int, torch.Tensor] = {}
-    stage_grads: dict[int, dict[str, torch.Tensor]] = {}
-    input_grads: dict[tuple[int, str, int], LeafGrads] = {}
-    for result in results:
-        outputs.update(result.outputs)
-        losses.update(result.losses)
-        stage_grads.update(result.grads)
-        input_grads.update(result.input_grads)
-    merged = merge_microbatches([pytree.tree_unflatten(outputs[m], pipe.out_spec) for m in range(n_microbatches)])
-    grads: dict[str, torch.Tensor] = {}
-    for s in range(pipe.num_stages):  # a tied parameter's replicas all hold the full gradient: take the first
-        for fqn, grad in stage_grads.get(s, {}).items():
-            grads.setdefault(fqn, grad)
-    replicas = {group.fqn: {s: stage_grads[s][group.fqn] for s in group.stages if group.fqn in stage_grads.get(s, {})}
-                for group in pipe.tied_groups}
-    return StepResult(merged, torch.stack([losses[m] for m in range(n_microbatches)]).mean(), grads,
-                      _merge_input_grads(input_grads, n_microbatches),
-                      stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
-                      replica_grads={fqn: by_stage for fqn, by_stage in replicas.items() if by_stage})
-
-
-def _merge_input_grads(per_key: Mapping[tuple[int, str, int], LeafGrads], n: int) -> dict[str, torch.Tensor]:
-    names = sorted({name for _, name, _ in per_key})
-    merged: dict[str, torch.Tensor] = {}
-    for name in names:
-        stages = sorted({s for s, nm, _ in per_key if nm == name}, reverse=True)
-        chunks = []
-        for mb in range(n):
-            total: LeafGrads | None = None
-            for s in stages:
-                total = add_leaf_grads(total, per_key[(s, name, mb)])
-            chunks.append(total[0] if total and len(total) == 1 else None)
-        if all(c is not None for c in chunks):
-            merged[name] = merge_microbatches(chunks)
-    return merged
-
-
-def execute(world: World, job: Job, pipe: Pipe | None = None) -> StepResult:
-    """Run ``job`` on ``world`` and gather one StepResult (``pipe``: the job's split, if made already)."""
-    pipe = pipe or job.split()
-    plan = make_plan(job, pipe)
-    if plan.schedule.n_ranks != world.world_size:
-        raise InputError(f"schedule {plan.schedule.name!r} needs {plan.schedule.n_ranks} ranks but the World has "
-                         f"{world.world_size}. Fix: use World(world_size={plan.schedule.n_ranks}) or change "
-                         "stages_per_rank.")
-    started = time.perf_counter()
-    results = world.run(rank_step, plan, timeout=job.timeout)
-    result = merge_rank_results(pipe, results, job.n_microbatches)
-    result.timings["step_s"] = time.perf_counter() - started
-    trace_path = job.options.get("trace_path")
-    if trace_path:
-        write_chrome_trace(trace_path, [e for r in results for e in r.events], plan.schedule)
-    result.events = [e for r in results for e in r.events]
-    return result
-
-
-_SHARED_WORLDS: dict[tuple[int, str], World] = {}
-
-
-def shared_world(world_size: int, device: str = "cpu", timeout: float = 120.0) -> World:
-    """A World kept for the whole process (one per xdist worker), created on first use."""
-    key = (world_size, str(device))
-    world = _SHARED_WORLDS.get(key)
-    if world is None or getattr(world, "_closed", False):
-        world = World(world_size, device=str(device), timeout=timeout)
-        _SHARED_WORLDS[key] = world
-    return world
-
-
-def close_shared_worlds() -> None:
-    for world in _SHARED_WORLDS.values():
-        world.close()
-    _SHARED_WORLDS.clear()
-
-
-def run_distributed(job: Job) -> StepResult:
-    """The "distributed" runner: pipecheck's runtime on a shared (or the job's own) World."""
-    pipe = job.split()
-    world = job.options.get("world")
-    if world is None:
-        world_size = job.world_size or -(-pipe.num_stages // job.stages_per_rank)
-        world = shared_world(world_size, job.device)
-    elif job.world_size is not None and job.world_size != world.world_size:
-        raise InputError(f"world_size={job.world_size} but the given World has {world.world_size} ranks.")
-    return execute(world, job, pipe)
-
-
-def run_pipeline(world: World, model: Any, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
-                 split_spec: Mapping[str, Any] | None = None, policy: Any = None, tracer: str = "fx",
-                 schedule: str | Schedule = "1f1b", n_microbatches: int = 4, loss_fn: Any = None,
-                 target: Any = None, stages_per_rank: int = 1, seed: int = 0, timeout: float | None = None,
-                 trace_path: str | None = None) -> StepResult:
-    """One training step of ``model`` through pipecheck's runtime on ``world``.
-
-        with pc.World(world_size=4) as world:
-            res = pc.run_pipeline(world, make_model, (x,), n_microbatches=4, trace_path="t.json")
-
-    ``model`` is an nn.Module or a zero-argument factory; either travels to the ranks pickled.
-    """
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    job = Job(model=ModelFactory(model, seed=seed), args=args, kwargs=dict(kwargs or {}), split_spec=split_spec,
-              policy=policy, tracer=tracer, loss_fn=loss_fn, target=target, n_microbatches=n_microbatches,
-              schedule=schedule, world_size=world.world_size, stages_per_rank=stages_per_rank,
-              device=world.device, timeout=timeout, options={"world": world, "trace_path": trace_path})
-    if loss_fn is None and target is not None:
-        raise InputError("target was given without loss_fn. Fix: pass loss_fn=..., or drop target.")
-    return execute(world, job)
+    return StageExecutor(ctx, spec).run()

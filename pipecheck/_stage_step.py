@@ -16,16 +16,18 @@ Gradients of a (possibly nested) value are a list aligned with
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from pipecheck._microbatch import merge_microbatches
 from pipecheck._pipe import Stage
 
 LeafGrads = list[torch.Tensor | None]
+InputGradKey = tuple[int, str, int]  # (consuming stage, model input name, micro-batch)
 
 
 def _detach(value: Any) -> Any:
@@ -161,3 +163,22 @@ def add_param_grads(total: dict[str, torch.Tensor], more: dict[str, torch.Tensor
             total[fqn] = total[fqn] + grad
             if owned is not None:
                 owned.add(fqn)
+
+
+def merge_input_grads(per_key: Mapping[InputGradKey, LeafGrads], n_microbatches: int) -> dict[str, torch.Tensor]:
+    """Gradients of the model's inputs: per micro-batch summed over the consuming stages, last
+    stage first (as backward reaches them), then merged in micro-batch order. Inputs that are
+    not one tensor, or miss a micro-batch's gradient, are left out."""
+    merged: dict[str, torch.Tensor] = {}
+    for name in sorted({name for _, name, _ in per_key}):
+        stages = sorted({s for s, other, _ in per_key if other == name}, reverse=True)
+        chunks = []
+        for mb in range(n_microbatches):
+            total: LeafGrads | None = None
+            for s in stages:
+                if (s, name, mb) in per_key:
+                    total = add_leaf_grads(total, per_key[(s, name, mb)])
+            chunks.append(total[0] if total and len(total) == 1 else None)
+        if all(chunk is not None for chunk in chunks):
+            merged[name] = merge_microbatches(chunks)
+    return merged

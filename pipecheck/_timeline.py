@@ -1,7 +1,7 @@
 """The timeline of a distributed step: events per rank, a Chrome-trace / Perfetto file, bubbles.
 
     res = pc.run_pipeline(world, model, (x,), trace_path="step.json")   # open in ui.perfetto.dev
-    bubble_fraction(res.events)                                        # measured idle share
+    measured_bubble_fraction(res.events)                               # measured idle share
 
 Times are ``time.monotonic_ns()``, one clock for every process on a machine.
 """
@@ -39,7 +39,7 @@ def chrome_trace(events: Sequence[Event], schedule: Any = None) -> dict[str, Any
                 trace.append(_slice("idle", "idle", rank, cursor, event.start_ns, origin))
             trace.append(_slice(event.name, event.category, rank, event.start_ns, event.end_ns, origin))
             cursor = max(cursor, event.end_ns)
-    meta = {"schedule": getattr(schedule, "name", None), "bubble_fraction": bubble_fraction(events)}
+    meta = {"schedule": getattr(schedule, "name", None), "bubble_fraction": measured_bubble_fraction(events)}
     return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": meta}
 
 
@@ -52,7 +52,7 @@ def write_chrome_trace(path: str | Path, events: Sequence[Event], schedule: Any 
     Path(path).write_text(json.dumps(chrome_trace(events, schedule), indent=1))
 
 
-def bubble_fraction(events: Sequence[Event]) -> float:
+def measured_bubble_fraction(events: Sequence[Event]) -> float:
     """Idle share of the step: 1 - (forward+backward time) / (ranks x span of the step)."""
     compute = [e for e in events if e.category in ("forward", "backward")]
     if not compute:

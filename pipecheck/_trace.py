@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._errors import InputError, SplitError, TraceError
+from pipecheck._inputs import bind_signature
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint, _active_fx_tracer, pipe_split
 
 SplitSpec = Mapping[str, "SplitPoint | str"]
@@ -62,21 +63,6 @@ def normalize_split_spec(model: nn.Module, split_spec: SplitSpec) -> dict[str, S
             + "\nFix: use module FQNs as printed by model.named_modules(), mapped to SplitPoint.BEGINNING/END."
         )
     return spec
-
-
-def _bind_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
-    sig = inspect.signature(model.forward)
-    unknown = [k for k in kwargs if k not in sig.parameters]
-    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    if unknown and not has_var_kw:
-        raise InputError(
-            f"kwargs {unknown} are not parameters of {type(model).__name__}.forward{sig}. "
-            f"Fix: pass only {list(sig.parameters)}."
-        )
-    try:
-        return sig.bind(*args, **kwargs)
-    except TypeError as err:
-        raise InputError(f"inputs do not fit {type(model).__name__}.forward{sig}: {err}") from None
 
 
 def _has_tensor(value: Any) -> bool:
@@ -132,7 +118,7 @@ def _unused_spec(split_spec: dict[str, SplitPoint], called: set[str], tracer: st
 
 
 def trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint]) -> Traced:
-    bound = _bind_signature(model, args, kwargs)
+    bound = bind_signature(model, args, kwargs)
     sig = bound.signature
     graph_inputs = [name for name, value in bound.arguments.items() if _has_tensor(value)]
     concrete = {
@@ -158,7 +144,7 @@ def trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], sp
     names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
 
     def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> dict[str, Any]:
-        b = _bind_signature(model, call_args, call_kwargs)
+        b = bind_signature(model, call_args, call_kwargs)
         _check_concrete(b, concrete, graph_inputs)
         return {name: b.arguments[name] for name in names}
 
@@ -203,7 +189,7 @@ def _try_resolve(root: nn.Module, target: str) -> Any:
 
 
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint]) -> Traced:
-    bound = _bind_signature(model, args, kwargs)
+    bound = bind_signature(model, args, kwargs)
     try:
         exported = torch.export.export(model, args, kwargs, strict=False,
                                        dynamic_shapes=_batch_dynamic_shapes(bound))
@@ -229,7 +215,7 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     in_spec = exported.call_spec.in_spec
 
     def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> dict[str, Any]:
-        _bind_signature(model, call_args, call_kwargs)
+        bind_signature(model, call_args, call_kwargs)
         leaves, spec = pytree.tree_flatten((tuple(call_args), dict(call_kwargs)))
         if spec != in_spec:
             raise InputError(
@@ -277,14 +263,18 @@ def _place_spec_markers(graph: fx.Graph, split_spec: dict[str, SplitPoint]) -> s
     return {path for path, _call in first}
 
 
+TRACERS: dict[str, Callable[[nn.Module, tuple[Any, ...], dict[str, Any], dict[str, SplitPoint]], Traced]] = {
+    "fx": trace_fx,
+    "export": trace_export,
+}
+
+
 def check_tracer(tracer: str) -> None:
-    if tracer not in ("fx", "export"):
+    if tracer not in TRACERS:
         raise SplitError(f"tracer={tracer!r} is not known. Fix: use tracer='fx' (default) or tracer='export'.")
 
 
-def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint], tracer: str) -> Traced:
-    if tracer == "fx":
-        return trace_fx(model, args, kwargs, split_spec)
-    if tracer == "export":
-        return trace_export(model, args, kwargs, split_spec)
-    raise SplitError(f"tracer={tracer!r} is not known. Fix: use tracer='fx' (default) or tracer='export'.")
+def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint],
+          tracer: str) -> Traced:
+    check_tracer(tracer)
+    return TRACERS[tracer](model, args, kwargs, split_spec)

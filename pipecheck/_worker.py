@@ -4,6 +4,7 @@
     ctx.stage = 2          # error reports now say "stage 2"
     ctx.action = "2F0"
 
+A *task* is one ``World.run(fn, ...)``: ``fn(ctx, ...)`` called once on every rank.
 The driver (``_world.py``) and each worker talk only in the dataclasses below, each
 pickled with plain :mod:`pickle` and sent with ``Connection.send_bytes``. Plain
 pickle (not multiprocessing's ForkingPickler) copies tensors by value instead of
@@ -29,11 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipecheck._errors import RankError
+
 ACTION_BYTES = 64  # room for one action label per rank on the stage board
 _NO_STAGE = -1
 _PARENT_POLL_S = 0.5
-# The driver enforces every job's timeout itself, with stacks; the process
-# group's own timeout only has to be longer than any sensible job.
+# The driver enforces every task's timeout itself, with stacks; the process
+# group's own timeout only has to be longer than any sensible task.
 PROCESS_GROUP_TIMEOUT = timedelta(days=1)
 
 
@@ -53,10 +56,11 @@ class WorkerConfig:
     stack_path: str
     parent_pid: int
     kill_with_parent: bool  # PR_SET_PDEATHSIG; only safe when started from the main thread
+    threads: int  # intra-op threads of this rank (torch.set_num_threads)
 
 
 @dataclass(frozen=True)
-class JobCall:
+class TaskCall:
     """The user's call, pickled separately so a rank can report a failure to unpickle it."""
 
     fn: Any
@@ -65,9 +69,9 @@ class JobCall:
 
 
 @dataclass(frozen=True)
-class JobRequest:
-    job_id: int
-    call: bytes  # pickled JobCall
+class TaskRequest:
+    task_id: int
+    call: bytes  # pickled TaskCall
 
 
 @dataclass(frozen=True)
@@ -91,20 +95,16 @@ class StartFailed:
 
 
 @dataclass(frozen=True)
-class JobDone:
-    job_id: int
+class TaskDone:
+    task_id: int
     rank: int
     value: bytes  # pickled return value of fn
 
 
 @dataclass(frozen=True)
-class JobFailed:
-    job_id: int
-    rank: int
-    stage: int | None
-    action: str | None
-    error: str  # "ValueError: bad shape"
-    traceback: str
+class TaskFailed:
+    task_id: int
+    error: RankError
 
 
 def send(conn: Connection, message: object) -> None:
@@ -126,6 +126,7 @@ class WorldProperties:
     comm_devices: tuple[str, ...]  # rank r passes tensors to torch.distributed on comm_devices[r]
     gpus_shared: bool  # fewer GPUs than ranks: ranks share GPUs and talk through gloo on CPU
     launcher: str  # "spawn" (World(n)) or "torchrun" (World.from_env())
+    threads_per_rank: int  # intra-op threads each rank runs (torch.set_num_threads)
 
 
 # --- the stage board: what each rank is doing, readable after it hangs or dies
@@ -138,9 +139,9 @@ class StageBoard:
     board instead, so even those errors can name the stage.
     """
 
-    def __init__(self, world_size: int, ctx: Any) -> None:
-        self._stages = ctx.RawArray(ctypes.c_int, [_NO_STAGE] * world_size)
-        self._actions = ctx.RawArray(ctypes.c_char, ACTION_BYTES * world_size)
+    def __init__(self, world_size: int, mp_context: Any) -> None:
+        self._stages = mp_context.RawArray(ctypes.c_int, [_NO_STAGE] * world_size)
+        self._actions = mp_context.RawArray(ctypes.c_char, ACTION_BYTES * world_size)
 
     def publish(self, rank: int, stage: int | None, action: str | None) -> None:
         self._stages[rank] = _NO_STAGE if stage is None else int(stage)
@@ -157,11 +158,11 @@ class StageBoard:
 
 @dataclass
 class RankContext:
-    """What a job's ``fn(ctx, ...)`` knows about the rank it runs on.
+    """What a task's ``fn(ctx, ...)`` knows about the rank it runs on.
 
     ``device`` is where the rank computes; ``comm_device`` is where tensors
     must be for ``torch.distributed`` calls (CPU when ranks share a GPU and
-    talk through gloo). Set ``stage`` and ``action`` as the job progresses so
+    talk through gloo). Set ``stage`` and ``action`` as the task progresses so
     that a failure, hang or crash report says what the rank was doing; they are
     mirrored to ``board`` (internal), which the driver can read even after the
     rank hangs or dies.
@@ -173,6 +174,7 @@ class RankContext:
     backend: str
     comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     group: Any = None
+    threads: int = 1  # intra-op threads this rank runs, set once when it joins
     stage: int | None = None
     action: str | None = None
     board: StageBoard | None = field(default=None, repr=False, compare=False)
@@ -189,7 +191,7 @@ class RankContext:
 
 def _exit_when_orphaned(parent_pid: int) -> None:
     # Runs in a daemon thread: a worker must never outlive its driver, even
-    # while its main thread is stuck in a job or a collective.
+    # while its main thread is stuck in a task or a collective.
     while True:
         if os.getppid() != parent_pid:
             os._exit(1)
@@ -217,6 +219,7 @@ def _join_world(config: WorkerConfig, board: StageBoard) -> RankContext:
         # Every rank lives on this host: loopback always works, whatever the
         # hostname resolves to. A value the user set wins.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(config.threads)
     device = torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -235,20 +238,21 @@ def _join_world(config: WorkerConfig, board: StageBoard) -> RankContext:
         backend=config.backend,
         comm_device=torch.device(config.comm_device),
         group=dist.group.WORLD,
+        threads=config.threads,
         board=board,
     )
 
 
 def _unpickle_hint(error: BaseException) -> str:
     return (
-        f"\nThe job could not be unpickled on this rank ({type(error).__name__}: {error}). "
+        f"\nThe task could not be unpickled on this rank ({type(error).__name__}: {error}). "
         "fn must be a top-level function of a module the workers can import: not a lambda, "
         "a nested function, or a function defined in an interactive session or `python -c`."
     )
 
 
-def run_call(ctx: RankContext, job_id: int, call: JobCall | bytes) -> JobDone | JobFailed:
-    """Run one job on this rank; never raises. ``call`` may still be pickled."""
+def run_call(ctx: RankContext, task_id: int, call: TaskCall | bytes) -> TaskDone | TaskFailed:
+    """Run one task on this rank; never raises. ``call`` may still be pickled."""
     ctx.stage = None
     ctx.action = None
     hint = ""
@@ -259,32 +263,26 @@ def run_call(ctx: RankContext, job_id: int, call: JobCall | bytes) -> JobDone | 
             except Exception as error:
                 hint = _unpickle_hint(error)
                 raise
-        assert isinstance(call, JobCall)  # the driver only ever sends a JobCall
+        assert isinstance(call, TaskCall)  # the driver only ever sends a TaskCall
         value = call.fn(ctx, *call.args, **call.kwargs)
         try:
-            return JobDone(job_id, ctx.rank, pickle.dumps(value))
+            return TaskDone(task_id, ctx.rank, pickle.dumps(value))
         except Exception:
             hint = (
                 f"\nfn returned a {type(value).__name__}, which cannot be pickled back to the "
                 "driver; return plain data or CPU tensors."
             )
             raise
-    except BaseException as error:  # SystemExit from a job is a failure too
+    except BaseException as error:  # SystemExit from a task is a failure too
         # Drop this function's own frame: the traceback starts in the user's fn.
         tb = error.__traceback__
         tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
-        return JobFailed(
-            job_id=job_id,
-            rank=ctx.rank,
-            stage=ctx.stage,
-            action=ctx.action,
-            error=f"{type(error).__name__}: {error}",
-            traceback="".join(traceback.format_exception(type(error), error, tb)) + hint,
-        )
+        text = "".join(traceback.format_exception(type(error), error, tb)) + hint
+        return TaskFailed(task_id, RankError.from_exception(error, ctx.rank, ctx.stage, ctx.action, text))
 
 
 def worker_main(config: WorkerConfig, conn: Connection, board: StageBoard) -> None:
-    """Entry point of a spawned rank: join the world, then run jobs until told to stop."""
+    """Entry point of a spawned rank: join the world, then run tasks until told to stop."""
     # Ctrl-C reaches the whole process group; only the driver should react.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _tie_lifetime_to_parent(config)
@@ -304,8 +302,8 @@ def worker_main(config: WorkerConfig, conn: Connection, board: StageBoard) -> No
         except (EOFError, OSError):
             os._exit(0)  # the driver is gone; nothing to clean up for
         match message:
-            case JobRequest():
-                send(conn, run_call(ctx, message.job_id, message.call))
+            case TaskRequest():
+                send(conn, run_call(ctx, message.task_id, message.call))
             case Shutdown():
                 break
     ctx.group = None  # see _TorchrunRank.stop in _world.py: no group may outlive the process group

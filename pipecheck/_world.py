@@ -1,8 +1,10 @@
-"""A pool of ranks with torch.distributed initialised once, running jobs on every rank.
+"""A pool of ranks with torch.distributed initialised once, running tasks on every rank.
 
     with World(2) as world:                        # spawns rank 0 and rank 1 (gloo on CPU)
         sums = world.run(all_reduce_rank, timeout=30)   # all_reduce_rank(ctx) on each rank
     # sums[r] is what rank r returned
+
+    world = World.shared(4)                        # one World per (size, device) for the process
 
 ``fn`` must be a top-level function of an importable module; it is called as
 ``fn(ctx, *args, **kwargs)`` with a :class:`RankContext`. A rank that raises,
@@ -10,11 +12,15 @@ hangs past the timeout or dies becomes a :class:`RankFailedError`,
 :class:`RankTimeoutError` or :class:`RankDiedError` naming the rank, its stage
 and its traceback or stack; the processes are then stopped and the next
 ``run()`` starts fresh ones. Under ``torchrun``, ``World.from_env()`` makes this
-process one rank of the launched world, and the same job code runs unchanged.
+process one rank of the launched world, and the same task code runs unchanged.
 
 Workers are spawned (never forked: torch is not fork-safe), rendezvous through
 a ``FileStore`` in a private temporary directory (so any number of worlds, e.g.
 one per pytest-xdist worker, never collide) and die with their driver.
+
+Every rank runs ``threads_per_rank`` intra-op threads (default: the machine's
+cores shared among the ranks), set once when it joins; results are bitwise
+reproducible at equal thread counts.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecheck._errors import JobPickleError, WorldError
-from pipecheck._worker import JobCall, JobFailed, RankContext, WorldProperties, run_call
+from pipecheck._errors import TaskPickleError, WorldError
+from pipecheck._worker import RankContext, TaskCall, TaskFailed, WorldProperties, run_call
 from pipecheck._world_spawn import Fault, SpawnedRanks, fault_error
 
 __all__ = ["RankContext", "World", "WorldProperties"]
@@ -46,35 +52,35 @@ def _no_cuda_error() -> WorldError:
     )
 
 
-def _plan(world_size: int, device: str, launcher: str = "spawn") -> WorldProperties:
+def default_threads_per_rank(world_size: int) -> int:
+    """The machine's cores shared among the ranks (at least one thread each)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _plan(world_size: int, device: str, threads: int, launcher: str = "spawn") -> WorldProperties:
     ranks = range(world_size)
     if device == "cpu":
-        return WorldProperties(
-            world_size,
-            device,
-            "gloo",
-            ("cpu",) * world_size,
-            ("cpu",) * world_size,
-            False,
-            launcher,
-        )
+        cpus = ("cpu",) * world_size
+        return WorldProperties(world_size, device, "gloo", cpus, cpus, False, launcher, threads)
     if not torch.cuda.is_available():
         raise _no_cuda_error()
     count = torch.cuda.device_count()
     devices = tuple(f"cuda:{rank % count}" for rank in ranks)
     if count >= world_size:
-        return WorldProperties(world_size, device, "nccl", devices, devices, False, launcher)
-    return WorldProperties(
-        world_size, device, "gloo", devices, ("cpu",) * world_size, True, launcher
-    )
+        return WorldProperties(world_size, device, "nccl", devices, devices, False, launcher, threads)
+    return WorldProperties(world_size, device, "gloo", devices, ("cpu",) * world_size, True, launcher, threads)
 
 
-def _check_arguments(world_size: object, device: object, **timeouts: object) -> None:
+def _check_arguments(world_size: object, device: object, threads_per_rank: object = None,
+                     **timeouts: object) -> None:
     problems = []
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         problems.append(f"world_size must be an int >= 1 (got {world_size!r})")
     if device not in ("cpu", "cuda"):
         problems.append(f"device must be 'cpu' or 'cuda' (got {device!r})")
+    if threads_per_rank is not None and (isinstance(threads_per_rank, bool)
+                                         or not isinstance(threads_per_rank, int) or threads_per_rank < 1):
+        problems.append(f"threads_per_rank must be an int >= 1 or None (got {threads_per_rank!r})")
     for name, value in timeouts.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             problems.append(f"{name} must be a number of seconds > 0 (got {value!r})")
@@ -82,7 +88,7 @@ def _check_arguments(world_size: object, device: object, **timeouts: object) -> 
         raise WorldError("World: " + "; ".join(problems) + ".")
 
 
-def _job_name(fn: object) -> str:
+def _task_name(fn: object) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
@@ -91,20 +97,20 @@ def _pickle_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> byte
         try:
             pickle.dumps(value)
         except Exception as error:
-            raise JobPickleError(
+            raise TaskPickleError(
                 f"World.run(): {what} cannot be pickled to send it to the ranks "
                 f"({type(error).__name__}: {error}). fn must be a top-level function of an "
                 "importable module (not a lambda, a nested function or a bound method of an "
                 "unpicklable object), and args/kwargs must be picklable: move fn to module "
                 "level, or pass data instead of live objects."
             ) from error
-    return pickle.dumps(JobCall(fn, args, dict(kwargs)))
+    return pickle.dumps(TaskCall(fn, args, dict(kwargs)))
 
 
 class _TorchrunRank:
     """This process is one rank of a world launched by torchrun (env:// rendezvous)."""
 
-    def __init__(self, device: str | None) -> None:
+    def __init__(self, device: str | None, threads: int | None) -> None:
         missing = [
             k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
         ]
@@ -115,7 +121,10 @@ class _TorchrunRank:
             )
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        _check_arguments(world_size, device)
+        _check_arguments(world_size, device, threads)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = threads or max(1, (os.cpu_count() or 1) // local_ranks)
+        torch.set_num_threads(threads)
         if device == "cuda":
             if not torch.cuda.is_available():
                 raise _no_cuda_error()
@@ -136,7 +145,7 @@ class _TorchrunRank:
         self.control: Any = (
             dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         )
-        self.ctx = RankContext(rank, world_size, local, backend, comm, dist.group.WORLD)
+        self.ctx = RankContext(rank, world_size, local, backend, comm, dist.group.WORLD, threads)
         placements: list[Any] = [None] * world_size
         dist.all_gather_object(placements, (str(local), str(comm)), group=self.control)
         self.properties = WorldProperties(
@@ -147,25 +156,27 @@ class _TorchrunRank:
             tuple(talk for _, talk in placements),
             shared,
             "torchrun",
+            threads,
         )
 
     def run(
-        self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], job: str, timeout: float
+        self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], task: str, timeout: float
     ) -> list[bytes]:
         # A hang here cannot be interrupted from inside; at least every rank prints its stacks.
         faulthandler.dump_traceback_later(timeout, exit=False)
         try:
-            outcome = run_call(self.ctx, 0, JobCall(fn, args, kwargs))
+            outcome = run_call(self.ctx, 0, TaskCall(fn, args, kwargs))
             gathered: list[Any] = [None] * self.ctx.world_size
             dist.all_gather_object(gathered, outcome, group=self.control)
         finally:
             faulthandler.cancel_dump_traceback_later()
         faults = [
-            Fault(o.rank, o.stage, o.action, failed=o) for o in gathered if isinstance(o, JobFailed)
+            Fault(o.error.rank, o.error.stage, o.error.action, error=o.error)
+            for o in gathered if isinstance(o, TaskFailed)
         ]
         if faults:
             note = "Every rank raises this error; the process group stays up."
-            raise fault_error(faults, set(), job, self.ctx.world_size, note)
+            raise fault_error(faults, set(), task, self.ctx.world_size, note)
         return [o.value for o in gathered]
 
     def stop(self) -> None:
@@ -179,13 +190,16 @@ class _TorchrunRank:
 
 
 _LIVE_WORLDS: weakref.WeakSet[World] = weakref.WeakSet()
+_SHARED: dict[tuple[int, str], World] = {}  # World.shared's pool
 
 
 class World:
     """A persistent set of ranks; ``run(fn, ...)`` calls ``fn(ctx, ...)`` on every rank.
 
-    ``timeout`` is the default per job, ``start_timeout`` bounds starting the
-    ranks. Processes start on ``__enter__`` or on the first ``run()``.
+    ``timeout`` is the default per task, ``start_timeout`` bounds starting the
+    ranks, ``threads_per_rank`` is each rank's intra-op thread count (None: the
+    cores shared among the ranks). Processes start on ``__enter__`` or on the
+    first ``run()``.
     """
 
     def __init__(
@@ -195,9 +209,10 @@ class World:
         *,
         timeout: float = 120.0,
         start_timeout: float = 120.0,
+        threads_per_rank: int | None = None,
     ) -> None:
-        _check_arguments(world_size, device, timeout=timeout, start_timeout=start_timeout)
-        properties = _plan(world_size, device)
+        _check_arguments(world_size, device, threads_per_rank, timeout=timeout, start_timeout=start_timeout)
+        properties = _plan(world_size, device, threads_per_rank or default_threads_per_rank(world_size))
         self._setup(properties, SpawnedRanks(properties, start_timeout), timeout)
         self._start_timeout = start_timeout
 
@@ -212,17 +227,39 @@ class World:
         _LIVE_WORLDS.add(self)
 
     @classmethod
-    def from_env(cls, device: str | None = None, *, timeout: float = 120.0) -> World:
+    def from_env(cls, device: str | None = None, *, timeout: float = 120.0,
+                 threads_per_rank: int | None = None) -> World:
         """This process as one rank of a torchrun-launched world.
 
         ``run()`` calls ``fn`` here only and gathers every rank's result, so
         each rank gets the full list. ``device`` defaults to CUDA when present.
         """
-        _check_arguments(1, device or "cpu", timeout=timeout)
+        _check_arguments(1, device or "cpu", threads_per_rank, timeout=timeout)
         world = cls.__new__(cls)
-        ranks = _TorchrunRank(device)
+        ranks = _TorchrunRank(device, threads_per_rank)
         world._setup(ranks.properties, ranks, timeout)
         return world
+
+    @classmethod
+    def shared(cls, world_size: int, device: str = "cpu", *, timeout: float = 120.0) -> World:
+        """A World of ``world_size`` ranks on ``device`` kept for the whole process, made on first use.
+
+        Checks that pass no World run on these (one pool per pytest-xdist worker);
+        :meth:`close_shared` stops them, and so does the interpreter's exit.
+        """
+        key = (world_size, str(device))
+        world = _SHARED.get(key)
+        if world is None or world.closed:
+            world = cls(world_size, device=str(device), timeout=timeout)
+            _SHARED[key] = world
+        return world
+
+    @staticmethod
+    def close_shared() -> None:
+        """Stop every World made by :meth:`shared`."""
+        for world in list(_SHARED.values()):
+            world.close()
+        _SHARED.clear()
 
     @property
     def world_size(self) -> int:
@@ -231,6 +268,15 @@ class World:
     @property
     def device(self) -> str:
         return self.properties.device
+
+    @property
+    def threads_per_rank(self) -> int:
+        return self.properties.threads_per_rank
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: a closed World runs nothing more."""
+        return self._closed
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -256,26 +302,26 @@ class World:
 
     def _ensure_open(self) -> None:
         if self._closed:
-            raise WorldError(f"{self!r} is closed; create a new World to run more jobs.")
+            raise WorldError(f"{self!r} is closed; create a new World to run more tasks.")
 
     def run(self, fn: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Call ``fn(ctx, *args, **kwargs)`` on every rank; return each rank's value, index = rank."""
         self._ensure_open()
         timeout = self.timeout if timeout is None else timeout
         _check_arguments(1, "cpu", timeout=timeout)
-        job = _job_name(fn)
+        task = _task_name(fn)
         with self._lock:
             if isinstance(self._ranks, _TorchrunRank):
-                values = self._ranks.run(fn, args, kwargs, job, timeout)
+                values = self._ranks.run(fn, args, kwargs, task, timeout)
             else:
-                values = self._ranks.run(_pickle_call(fn, args, kwargs), job, timeout)
+                values = self._ranks.run(_pickle_call(fn, args, kwargs), task, timeout)
         results = []
         for rank, value in enumerate(values):
             try:
                 results.append(pickle.loads(value))
             except Exception as error:
                 raise WorldError(
-                    f"rank {rank}'s return value of job {job} cannot be unpickled in the driver "
+                    f"rank {rank}'s return value of task {task} cannot be unpickled in the driver "
                     f"({type(error).__name__}: {error}); return plain data or CPU tensors whose "
                     "classes the driver can import."
                 ) from error

@@ -1,13 +1,13 @@
-"""The driver side of spawned ranks: start them, run a job, turn faults into reports.
+"""The driver side of spawned ranks: start them, run a task, turn faults into reports.
 
     ranks = SpawnedRanks(properties, start_timeout=60)
     values = ranks.run(pickled_call, "mod.fn", timeout=30)  # one pickled return value per rank
     ranks.stop(graceful=True)
 
 Used by :class:`pipecheck.World`; it knows nothing about pipelines. Every way a
-job can go wrong ends the same way: the report is built while the ranks are
+task can go wrong ends the same way: the report is built while the ranks are
 still there to ask (stage board, faulthandler stacks), then every rank is
-stopped so the next job starts from fresh processes.
+stopped so the next task starts from fresh processes.
 """
 
 from __future__ import annotations
@@ -29,19 +29,20 @@ from typing import Any
 
 from pipecheck._errors import (
     RankDiedError,
+    RankError,
     RankFailedError,
     RankTimeoutError,
     WorldError,
     WorldStartError,
 )
 from pipecheck._worker import (
-    JobDone,
-    JobFailed,
-    JobRequest,
     Ready,
     Shutdown,
     StageBoard,
     StartFailed,
+    TaskDone,
+    TaskFailed,
+    TaskRequest,
     WorkerConfig,
     WorldProperties,
     receive,
@@ -103,40 +104,40 @@ def _death_hint(exitcode: int | None) -> str:
 
 @dataclass
 class Fault:
-    """One rank that raised (``failed`` set) or died (``exitcode``) during a job."""
+    """One rank that raised (``error`` set) or died (``exitcode``) during a task."""
 
     rank: int
     stage: int | None
     action: str | None
-    failed: JobFailed | None = None
+    error: RankError | None = None
     exitcode: int | None = None
     last_words: str = ""  # faulthandler output written as it died
 
 
 def fault_error(
-    faults: list[Fault], still_running: set[int], job: str, world_size: int, recovery: str
+    faults: list[Fault], still_running: set[int], task: str, world_size: int, recovery: str
 ) -> WorldError:
     # A death is the cause, never a consequence, of the others' errors (a peer's
     # "Connection closed" may even reach the driver first): report deaths first.
-    ordered = sorted(faults, key=lambda fault: fault.failed is not None)
+    ordered = sorted(faults, key=lambda fault: fault.error is not None)
     first, others = ordered[0], ordered[1:]
     where = _where(first.stage, first.action)
-    if first.failed is not None:
+    if first.error is not None:
         lines = [
-            f"rank {first.rank} of {world_size} raised {first.failed.error} while running {where} of job {job}.",
+            f"rank {first.rank} of {world_size} raised {first.error.summary} while running {where} of task {task}.",
             f"Traceback on rank {first.rank}:",
-            _indent(first.failed.traceback),
+            _indent(first.error.traceback),
         ]
     else:
         lines = [
-            f"rank {first.rank} of {world_size} died while running {where} of job {job}: "
+            f"rank {first.rank} of {world_size} died while running {where} of task {task}: "
             f"it {_exit_status(first.exitcode)}.",
             _death_hint(first.exitcode),
         ]
         if first.last_words.strip():
             lines += [f"faulthandler output of rank {first.rank}:", _indent(first.last_words)]
     for fault in others:
-        what = fault.failed.error if fault.failed else "it " + _exit_status(fault.exitcode)
+        what = fault.error.summary if fault.error else "it " + _exit_status(fault.exitcode)
         lines.append(
             f"Then rank {fault.rank} ({_where(fault.stage, fault.action)}): {what} (probably a consequence)."
         )
@@ -147,8 +148,8 @@ def fault_error(
         )
     lines.append(f"{recovery} Fix rank {first.rank}'s problem first.")
     message = "\n".join(lines)
-    if first.failed is not None:
-        return RankFailedError(message, first.rank, first.stage, first.failed.traceback)
+    if first.error is not None:
+        return RankFailedError(message, first.error)
     return RankDiedError(message, first.rank, first.exitcode, first.stage)
 
 
@@ -162,7 +163,7 @@ class SpawnedRanks:
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         self.board: StageBoard | None = None
-        self.job_ids = itertools.count()
+        self.task_ids = itertools.count()
 
     @property
     def started(self) -> bool:
@@ -193,6 +194,7 @@ class SpawnedRanks:
                     stack_path=self.stack_path(rank),
                     parent_pid=os.getpid(),
                     kill_with_parent=in_main_thread,
+                    threads=self.properties.threads_per_rank,
                 )
                 driver_end, worker_end = spawn.Pipe()
                 proc = spawn.Process(
@@ -255,23 +257,23 @@ class SpawnedRanks:
                 "slow, raise start_timeout."
             )
 
-    def run(self, call: bytes, job: str, timeout: float) -> list[bytes]:
+    def run(self, call: bytes, task: str, timeout: float) -> list[bytes]:
         if not self.started:
             self.start()
-        job_id = next(self.job_ids)
+        task_id = next(self.task_ids)
         offsets = {r: self._stack_size(r) for r in range(self.properties.world_size)}
-        request = pickle.dumps(JobRequest(job_id, call))
+        request = pickle.dumps(TaskRequest(task_id, call))
         try:
             for conn in self.conns:
                 try:
                     conn.send_bytes(request)
                 except OSError:
                     pass  # a dead rank; its sentinel reports it below
-            done, faults, pending = self._collect(job_id, offsets, time.monotonic() + timeout)
+            done, faults, pending = self._collect(task_id, offsets, time.monotonic() + timeout)
             if faults:
-                raise fault_error(faults, pending, job, self.properties.world_size, RESTART_NOTE)
+                raise fault_error(faults, pending, task, self.properties.world_size, RESTART_NOTE)
             if pending:
-                raise self._timeout_error(pending, offsets, job, timeout)
+                raise self._timeout_error(pending, offsets, task, timeout)
         except BaseException:
             self.stop(
                 graceful=False
@@ -280,7 +282,7 @@ class SpawnedRanks:
         return [done[r] for r in range(self.properties.world_size)]
 
     def _collect(
-        self, job_id: int, offsets: dict[int, int], deadline: float
+        self, task_id: int, offsets: dict[int, int], deadline: float
     ) -> tuple[dict[int, bytes], list[Fault], set[int]]:
         done: dict[int, bytes] = {}
         faults: list[Fault] = []
@@ -293,7 +295,7 @@ class SpawnedRanks:
                 rank = waitables[ready]
                 if rank not in pending:
                     continue
-                outcome = self._outcome(rank, job_id, offsets[rank])
+                outcome = self._outcome(rank, task_id, offsets[rank])
                 if outcome is None:
                     continue
                 pending.discard(rank)
@@ -304,19 +306,19 @@ class SpawnedRanks:
                     done[rank] = outcome
         return done, faults, pending
 
-    def _outcome(self, rank: int, job_id: int, offset: int) -> bytes | Fault | None:
+    def _outcome(self, rank: int, task_id: int, offset: int) -> bytes | Fault | None:
         conn, proc = self.conns[rank], self.procs[rank]
         if conn.poll():  # a message, or EOF if the rank died
             try:
                 message = receive(conn)
             except (EOFError, OSError):
                 message = None
-            if isinstance(message, JobDone) and message.job_id == job_id:
+            if isinstance(message, TaskDone) and message.task_id == task_id:
                 return message.value
-            if isinstance(message, JobFailed) and message.job_id == job_id:
-                return Fault(rank, message.stage, message.action, failed=message)
+            if isinstance(message, TaskFailed) and message.task_id == task_id:
+                return Fault(rank, message.error.stage, message.error.action, error=message.error)
             if message is not None:
-                return None  # a reply to an earlier job; keep waiting
+                return None  # a reply to an earlier task; keep waiting
         proc.join(KILL_GRACE_S)  # EOF can come a moment before the exit status
         assert self.board is not None
         stage, action = self.board.read(rank)
@@ -325,7 +327,7 @@ class SpawnedRanks:
         )
 
     def _timeout_error(
-        self, pending: set[int], offsets: dict[int, int], job: str, timeout: float
+        self, pending: set[int], offsets: dict[int, int], task: str, timeout: float
     ) -> RankTimeoutError:
         assert self.board is not None
         stacks = self.dump_stacks(offsets)
@@ -340,11 +342,11 @@ class SpawnedRanks:
             states.append(f"rank {rank}: {state}")
         ranks = ", ".join(map(str, sorted(pending)))
         lines = [
-            f"job {job} did not finish within {timeout} s on rank(s) {ranks} of {n}.",
+            f"task {task} did not finish within {timeout} s on rank(s) {ranks} of {n}.",
             *states,
             f"{RESTART_NOTE} Look below for where the unfinished ranks are stuck: a send/recv "
             "whose peer never posts the matching call, or a collective that not every rank "
-            "entered, is the usual cause. If the job is only slow, pass run(..., timeout=SECONDS).",
+            "entered, is the usual cause. If the task is only slow, pass run(..., timeout=SECONDS).",
             "Python stack of every rank at the timeout:",
         ]
         for rank in range(n):

@@ -2,6 +2,8 @@
 
     target = projection_target(eager_outputs, seed=0)
     loss = projection_loss(outputs, target)
+    loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)   # what every runner computes
+    loss_of(2, outputs_of_microbatch_2)
 
 Never ``.sum()``: a sum gives the same gradient under a permutation of
 micro-batches and hides real bugs. The projection weights form a *target*
@@ -11,12 +13,17 @@ any target, and each micro-batch sees different weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from pipecheck._errors import LossError
+from pipecheck._microbatch import split_microbatches
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(outputs_of_a_microbatch, target_of_that_microbatch) -> scalar tensor``."""
 
 
 def _projectable(leaf: Any) -> bool:
@@ -72,3 +79,25 @@ def default_microbatch_target(outputs_mb: Any, microbatch: int) -> Any:
     (``assert_equivalent`` always passes full-batch weights as an explicit target.)
     """
     return projection_target(outputs_mb, seed=DEFAULT_SEED + microbatch)
+
+
+class MicrobatchLoss:
+    """The loss of one micro-batch, as every pipecheck runner computes it.
+
+    ``loss_fn(out_mb, target_mb)`` with ``target`` split on dim 0 like the inputs;
+    without ``loss_fn``, the projection loss with :func:`default_microbatch_target`
+    weights (a runner used on its own, not through ``assert_equivalent``, which
+    always passes ``loss_fn`` and a full-batch target).
+    """
+
+    def __init__(self, loss_fn: LossFn | None, target: Any, n_microbatches: int) -> None:
+        self.loss_fn = loss_fn or projection_loss
+        self.default = loss_fn is None
+        self.targets = (split_microbatches(target, n_microbatches, "target") if target is not None and not self.default
+                        else [None] * n_microbatches)
+
+    def target(self, microbatch: int, outputs: Any) -> Any:
+        return default_microbatch_target(outputs, microbatch) if self.default else self.targets[microbatch]
+
+    def __call__(self, microbatch: int, outputs: Any) -> torch.Tensor:
+        return check_scalar_loss(self.loss_fn(outputs, self.target(microbatch, outputs)), self.loss_fn)

@@ -2,10 +2,11 @@
 
     def test_my_engine(pipecheck_world):
         world = pipecheck_world(4)           # live for the whole session, one per xdist worker
-        pc.assert_equivalent(make_model, (x,), runner="distributed", options={"world": world})
+        pc.assert_equivalent(make_model, (x,), runner="distributed", world=world)
 
 It only declares options, markers, fixtures and hooks; torch and the runtime
-are imported when a fixture is first used.
+are imported when a fixture is first used. The ``gpu`` marker is declared here
+(and only here), so every project using pipecheck gets it.
 
 Hypothesis profiles ``ci`` (bounded, derandomized), ``dev`` and ``nightly``
 (many examples) are registered here and chosen with ``HYPOTHESIS_PROFILE``.
@@ -72,22 +73,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def pipecheck_world(request: pytest.FixtureRequest) -> Iterator[Callable[[int], Any]]:
-    """A factory of session-long Worlds: ``pipecheck_world(n)`` starts n ranks once, then reuses them."""
-    from pipecheck._runtime import close_shared_worlds, shared_world
+    """A factory of session-long Worlds: ``pipecheck_world(n)`` starts n ranks once, then reuses them.
+
+    They are ``pc.World.shared(n, device)``: the same Worlds a check uses when given none. The
+    session's end stops them (and the interpreter's exit stops any a test made outside this fixture).
+    """
+    from pipecheck import World
 
     device = request.config.getoption("--pipecheck-device")
     timeout = request.config.getoption("--pipecheck-timeout")
 
     def get(world_size: int) -> Any:
-        return shared_world(world_size, device, timeout)
+        return World.shared(world_size, device, timeout=timeout)
 
     yield get
-    close_shared_worlds()
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    import sys
-
-    runtime = sys.modules.get("pipecheck._runtime")
-    if runtime is not None:
-        runtime.close_shared_worlds()
+    World.close_shared()

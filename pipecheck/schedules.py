@@ -25,37 +25,45 @@ Rank ``r`` warms up with ``n_stages - r - 1`` forwards, then alternates one
 forward and one backward, then drains the remaining backwards.
 
 Timing model (used by :meth:`Schedule.table`, :func:`validate` and
-:func:`bubble_fraction`): each action takes one unit; a rank runs its list
-strictly in order; an action starts at the first step after all of its
-dependencies finished (sends are asynchronous and free). ``F(s, m)`` depends
-on ``F(p, m)`` for every producer stage ``p`` of ``s``; ``B(s, m)`` depends on
-``F(s, m)`` and on ``B(c, m)`` for every consumer stage ``c`` of ``s``.
-Producers default to the chain ``s - 1 -> s``; pass ``dependencies`` for
-pipelines with skip connections (e.g. ``{1: {0}, 2: {1}, 3: {0, 2}}``).
+:func:`simulated_bubble_fraction`; the simulator is ``pipecheck._schedule_sim``):
+each action takes one unit; a rank runs its list strictly in order; an action
+starts at the first step after all of its dependencies finished (sends are
+asynchronous and free). ``F(s, m)`` depends on ``F(p, m)`` for every producer
+stage ``p`` of ``s``; ``B(s, m)`` depends on ``F(s, m)`` and on ``B(c, m)`` for
+every consumer stage ``c`` of ``s``. Producers default to the chain
+``s - 1 -> s``; pass ``dependencies`` for pipelines with skip connections
+(e.g. ``{1: {0}, 2: {1}, 3: {0, 2}}``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipecheck._errors import ScheduleError
+from pipecheck._schedule_sim import (
+    Dependencies,
+    bubble,
+    chain_dependencies,
+    checked_timeline,
+    problem_list,
+    render,
+    simulate,
+)
 
 __all__ = [
     "SCHEDULE_NAMES",
     "Action",
     "Schedule",
-    "bubble_fraction",
     "chain_dependencies",
     "gpipe",
     "interleaved_1f1b",
     "make_schedule",
     "one_f_one_b",
+    "simulated_bubble_fraction",
     "validate",
 ]
-
-Dependencies = Mapping[int, Collection[int]]
 
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([FB])\s*(\d+)\s*$", re.IGNORECASE)
 
@@ -137,7 +145,7 @@ class Schedule:
                     problems.append(f"rank {rank}, position {position}: {err}")
             rows.append(parsed)
         if problems:
-            raise ScheduleError(_problem_list(f"cannot build schedule {name!r}", problems))
+            raise ScheduleError(problem_list(f"cannot build schedule {name!r}", problems))
         if stage_to_rank is None:
             stage_to_rank = [stage % max(len(rows), 1) for stage in range(n_stages)]
         return cls(n_stages, n_microbatches, tuple(stage_to_rank), tuple(map(tuple, rows)), name)
@@ -152,7 +160,7 @@ class Schedule:
 
     def table(self, dependencies: Dependencies | None = None) -> str:
         """The simulated timeline as a grid; a deadlock is drawn with ``<-- ERROR HERE``."""
-        return _render(self, _simulate(self, _producer_map(self, dependencies)))
+        return render(self, simulate(self, dependencies))
 
     def __str__(self) -> str:
         return self.table()
@@ -273,11 +281,6 @@ def make_schedule(
     return interleaved_1f1b(_ranks_for(n_stages, stages_per_rank), stages_per_rank, n_microbatches)
 
 
-def chain_dependencies(n_stages: int) -> dict[int, set[int]]:
-    """The default producer map ``{s: {s - 1}}``; extend it for skips: ``{**chain, 3: {0, 2}}``."""
-    return {stage: {stage - 1} for stage in range(1, n_stages)}
-
-
 def _check_positive(**values: int) -> None:
     bad = [f"{k}={v!r}" for k, v in values.items() if type(v) is not int or v < 1]
     if bad:
@@ -298,7 +301,7 @@ def _round_robin(n_stages: int, n_ranks: int) -> tuple[int, ...]:
     return tuple(stage % n_ranks for stage in range(n_stages))
 
 
-# --------------------------------------------------------------------------- validation
+# --------------------------------------------------------------------------- checks
 
 
 def validate(schedule: Schedule, dependencies: Dependencies | None = None) -> None:
@@ -310,243 +313,14 @@ def validate(schedule: Schedule, dependencies: Dependencies | None = None) -> No
     holds, that the simulation finishes (no deadlock). A deadlock is reported
     as the timeline grid with ``<-- ERROR HERE`` on each stuck rank.
     """
-    _checked_timeline(schedule, dependencies)
+    checked_timeline(schedule, dependencies)
 
 
-def bubble_fraction(schedule: Schedule, dependencies: Dependencies | None = None) -> float:
-    """Idle rank-steps / all rank-steps of the simulated timeline (validates first).
+def simulated_bubble_fraction(schedule: Schedule, dependencies: Dependencies | None = None) -> float:
+    """Idle rank-steps / all rank-steps of the simulated (unit-time) timeline; validates first.
 
     Under unit times GPipe and 1F1B give the textbook ``(p - 1) / (m + p - 1)``
-    for ``p`` stages and ``m`` micro-batches.
+    for ``p`` stages and ``m`` micro-batches. (A run's measured bubble is in its
+    timeline: ``trace_path=``.)
     """
-    return _bubble(schedule, _checked_timeline(schedule, dependencies))
-
-
-def _checked_timeline(schedule: Schedule, dependencies: Dependencies | None) -> _Timeline:
-    problems = _structure_problems(schedule) + _dependency_problems(schedule, dependencies)
-    if problems:
-        raise ScheduleError(
-            _problem_list(f"schedule {schedule.name!r} is invalid", problems)
-            + "\n(the deadlock check runs once these are fixed)"
-        )
-    timeline = _simulate(schedule, _producer_map(schedule, dependencies))
-    if timeline.stuck:
-        raise ScheduleError(
-            f"schedule {schedule.name!r} deadlocks: at step {timeline.n_steps} no rank can run "
-            "its next action\n" + _render(schedule, timeline, with_head=False)
-        )
-    return timeline
-
-
-def _structure_problems(schedule: Schedule) -> list[str]:
-    n_stages, n_mbs, n_ranks = schedule.n_stages, schedule.n_microbatches, schedule.n_ranks
-    problems = [
-        f"{label} must be a positive integer ({label}={value!r})"
-        for label, value in (("n_stages", n_stages), ("n_microbatches", n_mbs))
-        if type(value) is not int or value < 1
-    ]
-    if len(schedule.stage_to_rank) != n_stages:
-        problems.append(
-            f"stage_to_rank has {len(schedule.stage_to_rank)} entries but n_stages={n_stages}; "
-            "give one rank per stage"
-        )
-    for stage, rank in enumerate(schedule.stage_to_rank):
-        if not 0 <= rank < n_ranks:
-            problems.append(
-                f"stage_to_rank puts stage {stage} on rank {rank}, but there are {n_ranks} ranks "
-                f"(0..{n_ranks - 1})"
-            )
-    places: dict[Action, list[tuple[int, int]]] = {}
-    for rank, row in enumerate(schedule.actions):
-        for position, action in enumerate(row):
-            where = f"rank {rank}, position {position}: {action}"
-            if not 0 <= action.stage < n_stages:
-                problems.append(
-                    f"{where} refers to stage {action.stage}, but stages are 0..{n_stages - 1}"
-                )
-            elif not 0 <= action.microbatch < n_mbs:
-                problems.append(
-                    f"{where} refers to micro-batch {action.microbatch}, "
-                    f"but micro-batches are 0..{n_mbs - 1}"
-                )
-            else:
-                owner = (
-                    schedule.stage_to_rank[action.stage]
-                    if action.stage < len(schedule.stage_to_rank)
-                    else None
-                )
-                if owner is not None and owner != rank:
-                    problems.append(
-                        f"{where} runs stage {action.stage}, which stage_to_rank puts on rank {owner}"
-                    )
-                places.setdefault(action, []).append((rank, position))
-    return problems + _count_and_order_problems(schedule, places)
-
-
-def _count_and_order_problems(
-    schedule: Schedule, places: Mapping[Action, list[tuple[int, int]]]
-) -> list[str]:
-    problems: list[str] = []
-    missing = [
-        str(Action(kind, stage, mb))
-        for stage in range(schedule.n_stages)
-        for mb in range(schedule.n_microbatches)
-        for kind in ("F", "B")
-        if Action(kind, stage, mb) not in places
-    ]
-    if missing:
-        problems.append(
-            f"missing {len(missing)} action(s): {' '.join(missing)} "
-            "(every stage runs one F and one B per micro-batch)"
-        )
-    for action, where_all in places.items():
-        if len(where_all) > 1:
-            at = ", ".join(f"rank {r} position {p}" for r, p in where_all)
-            problems.append(f"{action} appears {len(where_all)} times ({at}); keep exactly one")
-    for action, where_all in places.items():
-        forward = places.get(Action("F", action.stage, action.microbatch), [])
-        if action.kind == "B" and len(where_all) == 1 and len(forward) == 1:
-            (rank, b_pos), (f_rank, f_pos) = where_all[0], forward[0]
-            if rank == f_rank and b_pos < f_pos:
-                problems.append(
-                    f"rank {rank} runs {action} (position {b_pos}) before its forward "
-                    f"{action.stage}F{action.microbatch} (position {f_pos}); move the F earlier"
-                )
-    return problems
-
-
-def _dependency_problems(schedule: Schedule, dependencies: Dependencies | None) -> list[str]:
-    problems: list[str] = []
-    valid = range(schedule.n_stages)
-    for stage, producers in (dependencies or {}).items():
-        if stage not in valid:
-            problems.append(
-                f"dependencies name stage {stage}, but stages are 0..{schedule.n_stages - 1}"
-            )
-        for producer in sorted(producers):
-            if producer not in valid or producer == stage:
-                problems.append(
-                    f"dependencies give stage {stage} the producer {producer}; producers must be "
-                    f"other stages in 0..{schedule.n_stages - 1}"
-                )
-    return problems
-
-
-def _problem_list(title: str, problems: list[str]) -> str:
-    return f"{title} ({len(problems)} problem(s)):\n" + "\n".join(f"  - {p}" for p in problems)
-
-
-# --------------------------------------------------------------------------- simulation
-
-
-@dataclass
-class _Timeline:
-    starts: list[list[int]]  # starts[r][i]: step at which actions[r][i] ran (only those that ran)
-    n_steps: int
-    stuck: dict[int, list[Action]]  # rank -> unmet dependencies of its next action (deadlock only)
-
-
-def _producer_map(
-    schedule: Schedule, dependencies: Dependencies | None
-) -> dict[int, frozenset[int]]:
-    source = chain_dependencies(schedule.n_stages) if dependencies is None else dependencies
-    return {stage: frozenset(producers) for stage, producers in source.items()}
-
-
-def _needs(
-    action: Action, producers: Mapping[int, frozenset[int]], consumers: Mapping[int, list[int]]
-) -> list[Action]:
-    s, m = action.stage, action.microbatch
-    if action.kind == "F":
-        return [Action("F", p, m) for p in sorted(producers.get(s, ()))]
-    return [Action("F", s, m)] + [Action("B", c, m) for c in consumers.get(s, [])]
-
-
-def _simulate(schedule: Schedule, producers: Mapping[int, frozenset[int]]) -> _Timeline:
-    consumers: dict[int, list[int]] = {}
-    for stage, sources in sorted(producers.items()):
-        for producer in sources:
-            consumers.setdefault(producer, []).append(stage)
-    for targets in consumers.values():
-        targets.sort()
-    rows = schedule.actions
-    starts: list[list[int]] = [[] for _ in rows]
-    done: set[Action] = set()
-    step = 0
-    while any(len(starts[r]) < len(row) for r, row in enumerate(rows)):
-        ran: list[Action] = []
-        unmet: dict[int, list[Action]] = {}
-        for rank, row in enumerate(rows):
-            if len(starts[rank]) == len(row):
-                continue
-            action = row[len(starts[rank])]
-            waiting = [need for need in _needs(action, producers, consumers) if need not in done]
-            if waiting:
-                unmet[rank] = waiting
-            else:
-                starts[rank].append(step)
-                ran.append(action)
-        if not ran:
-            return _Timeline(starts, step, unmet)
-        done.update(ran)  # results become visible at the next step
-        step += 1
-    return _Timeline(starts, step, {})
-
-
-def _bubble(schedule: Schedule, timeline: _Timeline) -> float:
-    total = timeline.n_steps * schedule.n_ranks
-    busy = sum(len(row) for row in schedule.actions)
-    return (total - busy) / total if total else 0.0
-
-
-def _render(schedule: Schedule, timeline: _Timeline, with_head: bool = True) -> str:
-    rows = schedule.actions
-    width = max(
-        [len(str(a)) for row in rows for a in row] + [len(str(max(timeline.n_steps - 1, 0)))]
-    )
-    labels = [f"rank {rank}" for rank in range(len(rows))]
-    label_width = max([len(label) for label in labels] + [len("step")])
-    steps = " ".join(str(t).rjust(width) for t in range(timeline.n_steps))
-    header = f"{'step'.ljust(label_width)} | {steps}"
-    lines = [(header + " | pending" if timeline.stuck else header).rstrip()]
-    for rank, row in enumerate(rows):
-        cells = [".".center(width)] * timeline.n_steps
-        for action, step in zip(row, timeline.starts[rank], strict=False):
-            cells[step] = str(action).rjust(width)
-        line = f"{labels[rank].ljust(label_width)} | {' '.join(cells)}"
-        if timeline.stuck:
-            pending = row[len(timeline.starts[rank]) :]
-            line += " | " + (" ".join(map(str, pending)) if pending else "(done)")
-            if rank in timeline.stuck:
-                line += "   <-- ERROR HERE"
-        lines.append(line.rstrip())
-    head = (
-        f"{schedule.name}: {schedule.n_stages} stages on {schedule.n_ranks} ranks, "
-        f"{schedule.n_microbatches} micro-batches, "
-    )
-    if not timeline.stuck:
-        head += f"{timeline.n_steps} steps, bubble {_bubble(schedule, timeline):.1%}"
-        return "\n".join([head] + lines)
-    head += f"DEADLOCK at step {timeline.n_steps}"
-    notes = [_explain(schedule, timeline, rank) for rank in sorted(timeline.stuck)]
-    return "\n".join(([head] if with_head else []) + lines + notes)
-
-
-def _explain(schedule: Schedule, timeline: _Timeline, rank: int) -> str:
-    row = schedule.actions[rank]
-    action = row[len(timeline.starts[rank])]
-    reasons = []
-    pending = [acts[len(timeline.starts[r]) :] for r, acts in enumerate(schedule.actions)]
-    for need in timeline.stuck[rank]:
-        holder = next((r for r, rest in enumerate(pending) if need in rest), None)
-        if holder is None:
-            reasons.append(f"{need}, which no rank runs")
-        elif holder == rank:
-            reasons.append(f"{need}, which rank {rank} itself only runs later")
-        else:
-            blocker = schedule.actions[holder][len(timeline.starts[holder])]
-            if blocker == need:
-                reasons.append(f"{need}, at which rank {holder} is itself stuck")
-            else:
-                reasons.append(f"{need}, which rank {holder} will only run after {blocker}")
-    return f"  rank {rank} waits at {action} for " + "; and for ".join(reasons)
+    return bubble(schedule, checked_timeline(schedule, dependencies))

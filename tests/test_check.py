@@ -63,10 +63,10 @@ class SkipGradDropper(pc.DetachExecutor):
 
     min_gap = 2
 
-    def backward_microbatch(self, forwards: list[StageForward], loss: torch.Tensor, loss_scale: float,
-                            param_grads: list[dict[str, torch.Tensor]],
-                            owned: list[set[str]]) -> dict[str, LeafGrads]:
-        pending: dict[tuple[int | None, str], LeafGrads] = {}
+    def backward_microbatch(self, mb: int, forwards: list[StageForward], loss: torch.Tensor, loss_scale: float,
+                            param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]],
+                            input_grads: dict[tuple[int, str, int], LeafGrads]) -> None:
+        pending: dict[tuple[int, str], LeafGrads] = {}
         for stage in reversed(self.pipe.stages):
             last = stage.index == self.pipe.num_stages - 1
             out_grads = [pending.pop((stage.index, name), None) for name in stage.outputs]
@@ -74,10 +74,10 @@ class SkipGradDropper(pc.DetachExecutor):
                                                loss if last else None, loss_scale)
             add_param_grads(param_grads[stage.index], p_grads, owned[stage.index])
             for src, grads in zip(stage.inputs, in_grads, strict=True):
-                if src.stage is not None and stage.index - src.stage >= self.min_gap:
-                    continue  # the bug: a skip connection's gradient never goes back
-                pending[(src.stage, src.name)] = add_leaf_grads(pending.get((src.stage, src.name)), grads)
-        return {name: grads for (stage, name), grads in pending.items() if stage is None}
+                if src.stage is None:
+                    input_grads[(stage.index, src.name, mb)] = grads
+                elif stage.index - src.stage < self.min_gap:  # the bug: a skip's gradient never goes back
+                    pending[(src.stage, src.name)] = add_leaf_grads(pending.get((src.stage, src.name)), grads)
 
 
 class StageInputGradDropper(SkipGradDropper):

@@ -70,4 +70,4 @@ def test_generated_cases_match_eager_on_the_distributed_runtime(
     pipecheck_world: Any, case: pst.PipelineCase,
 ) -> None:
     record("distributed-fp32", case)
-    case.check("distributed", options={"world": pipecheck_world(case.world_size)})
+    case.check("distributed", world=pipecheck_world(case.world_size))

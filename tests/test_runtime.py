@@ -10,7 +10,7 @@ import torch
 from pipecheck.fixtures import ZOO, get
 
 import pipecheck as pc
-from pipecheck._runtime import make_plan
+from pipecheck._distributed_runner import plan_schedule
 
 # (schedule, stages_per_rank) that fit a model of n stages on world_size ranks
 LAYOUTS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("gpipe", 2), ("interleaved", 2)]
@@ -38,7 +38,7 @@ def test_zoo_passes_on_every_schedule(pipecheck_world, entry, style, schedule, p
     report = pc.assert_equivalent(
         entry.factory(style), args, kwargs, runner="distributed", schedule=schedule, stages_per_rank=per_rank,
         n_microbatches=n_mb, loss_fn=entry.loss_fn, target=entry.target(),
-        options={"world": pipecheck_world(world_size)}, **entry.cut(style))
+        world=pipecheck_world(world_size), **entry.cut(style))
     assert report.ok and report.num_stages == entry.num_stages
 
 
@@ -93,7 +93,7 @@ def test_input_gradients_come_back_from_every_consuming_stage(pipecheck_world):
     x = x.clone().requires_grad_(True)
     bias = kwargs["bias"].clone().requires_grad_(True)
     report = pc.assert_equivalent(entry.factory(), (x,), {"bias": bias}, runner="distributed", n_microbatches=4,
-                                  options={"world": pipecheck_world(3)})
+                                  world=pipecheck_world(3))
     names = {row.name for row in report.rows}
     assert {"grad input x", "grad input bias"} <= names
     assert x.grad is None and bias.grad is None  # the user's inputs are never touched
@@ -122,7 +122,7 @@ def test_a_user_supplied_schedule_runs(pipecheck_world):
         ["2F0", "2B0", "2F1", "2B1"],
     ])
     report = pc.assert_equivalent(entry.factory(), args, runner="distributed", schedule=schedule,
-                                  n_microbatches=2, options={"world": pipecheck_world(3)})
+                                  n_microbatches=2, world=pipecheck_world(3))
     assert report.ok
 
 
@@ -133,7 +133,7 @@ def test_a_schedule_that_deadlocks_is_refused_before_anything_runs():
                  schedule=pc.schedules.Schedule.from_lists(3, 2, None, [
                      ["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"], ["2F0", "2B0", "2F1", "2B1"]]))
     with pytest.raises(pc.ScheduleError, match="ERROR HERE"):
-        make_plan(job, job.split())
+        plan_schedule(job, job.split())
 
 
 def test_world_size_that_does_not_fit_the_schedule_is_a_clear_error(pipecheck_world):
@@ -150,7 +150,7 @@ def test_ranks_sharing_one_gpu_match_eager():
     args, kwargs = entry.inputs()
     with pc.World(entry.num_stages, device="cuda") as world:
         report = pc.assert_equivalent(entry.factory(), args, kwargs, runner="distributed", device="cuda",
-                                      n_microbatches=4, options={"world": world})
+                                      n_microbatches=4, world=world)
     assert report.ok
 
 
@@ -162,7 +162,7 @@ def test_one_gpu_per_rank_over_nccl_matches_eager():
         assert world.properties.backend == "nccl"
         report = pc.assert_equivalent(entry.factory("spec"), args, runner="distributed", device="cuda",
                                       policy=pc.policies.balanced_params(2), loss_fn=entry.loss_fn,
-                                      target=entry.target(), n_microbatches=4, options={"world": world})
+                                      target=entry.target(), n_microbatches=4, world=world)
     assert report.ok
 
 
@@ -237,8 +237,8 @@ class DataDependentShape(torch.nn.Module):
 @pytest.mark.parametrize("n_mb", [1, 2])
 def test_tricky_gradients_match_eager_on_both_runners(pipecheck_world, model, n_mb):
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
-    for runner, options in (("reference", None), ("distributed", {"world": pipecheck_world(2)})):
-        assert pc.assert_equivalent(model, (x,), runner=runner, n_microbatches=n_mb, options=options).ok
+    for runner, world in (("reference", None), ("distributed", pipecheck_world(2))):
+        assert pc.assert_equivalent(model, (x,), runner=runner, n_microbatches=n_mb, world=world).ok
 
 
 def test_a_value_whose_shape_changes_between_microbatches_is_a_clear_error(pipecheck_world):

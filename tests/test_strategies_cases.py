@@ -180,7 +180,7 @@ def test_a_case_runs_the_exact_call_its_repro_prints() -> None:
                         stages_per_rank=1, world_size=3, dtype=torch.bfloat16)
     report = case.check(tolerance="auto")
     assert report.ok and report.num_stages == 3 and report.dtype == "bfloat16"
-    source = case.repro(tolerance="auto", options={"world": object()})
+    source = case.repro(tolerance="auto", world=object())
     assert source.endswith('''\
 def test_pipeline_case() -> None:
     """The pipeline check pipecheck.strategies generated."""
@@ -197,7 +197,7 @@ def test_pipeline_case() -> None:
         dtype=torch.bfloat16,
         runner='reference',
         tolerance='auto',
-        # options ['world'] left out: the runner makes its own
+        # world=... left out: the runner makes its own
     )
 
 

@@ -20,7 +20,9 @@ import torch
 from pipecheck.fixtures import get
 
 import pipecheck as pc
-from pipecheck._torch_runner import _alias_table, as_step_error, policy_module_cuts, stage_grads
+from pipecheck._errors import RankError
+from pipecheck._torch_rank import _alias_table, stage_grads
+from pipecheck._torch_runner import policy_module_cuts, torch_message
 
 N_MICROBATCHES = 4
 
@@ -40,7 +42,7 @@ def check(world: pc.World, name: str, style: str | None = None, *, model: Any = 
     settings = {"loss_fn": entry.loss_fn, "target": entry.target(), "n_microbatches": N_MICROBATCHES,
                 **entry.cut(style), **overrides}
     return pc.assert_equivalent(entry.factory(style) if model is None else model, args, kwargs, runner="torch",
-                                options={"world": world}, **settings)
+                                world=world, **settings)
 
 
 # --- no World needed ------------------------------------------------------------------------------
@@ -66,7 +68,7 @@ def test_policy_cut_torch_cannot_express_is_an_engine_error() -> None:
 def test_torch_stage_parameter_names_map_back_to_original_fqns() -> None:
     from torch.distributed.pipelining import pipeline
 
-    from pipecheck._torch_runner import _translate_markers
+    from pipecheck._torch_rank import _translate_markers
 
     model = get("alias_reuse").factory("markers")()
     names, by_id = _alias_table(model)
@@ -92,9 +94,10 @@ def test_torch_failure_message_is_the_wrapped_cause_with_torch_context() -> None
         except TypeError as cause:
             raise RuntimeError("\n    [Stage 0] failed to run forward:\n    args: ...") from cause
     except RuntimeError as err:
-        step_error = as_step_error(err)
-    assert step_error.message == "TypeError: forward() got an unexpected keyword argument 'bias'"
-    assert step_error.context == "[Stage 0] failed to run forward"
+        error = RankError.from_exception(err, rank=0, stage=0, action="0F0")  # as it leaves the rank
+    message, context = torch_message(error)
+    assert message == "TypeError: forward() got an unexpected keyword argument 'bias'"
+    assert context == "[Stage 0] failed to run forward"
 
 
 def test_unknown_schedule_is_refused_before_any_rank_runs() -> None:
@@ -105,22 +108,27 @@ def test_unknown_schedule_is_refused_before_any_rank_runs() -> None:
 
 
 def test_targets_torch_cannot_chunk_travel_as_microbatch_indices() -> None:
-    from pipecheck._job import Job
-    from pipecheck._torch_runner import TorchStepError, _LossOfMicrobatch, _torch_target
+    from pipecheck._torch_rank import (
+        TorchStepError,
+        TorchStepSpec,
+        _LossOfMicrobatch,
+        _torch_target,
+    )
 
     target = {"w": torch.randn(8, 2), "unused": torch.zeros(())}  # a pytree with a 0-dim leaf
     sent, by_index = _torch_target(target, 4, torch.device("cpu"))
     assert by_index and torch.equal(sent, torch.arange(4))
-    job = Job(model=torch.nn.Identity, args=(), loss_fn=lambda out, tgt: (out["w"] * tgt["w"]).sum(),
-              target=target, n_microbatches=4)
     out_spec = torch.utils._pytree.tree_flatten({"w": torch.zeros(1)})[1]
+    spec = TorchStepSpec(model=torch.nn.Identity, args=(), kwargs={},
+                         loss_fn=lambda out, tgt: (out["w"] * tgt["w"]).sum(), target=target, n_microbatches=4,
+                         schedule="1f1b", n_stages=1, module_cuts={}, keep_markers=True,
+                         out_spec_json=torch.utils._pytree.treespec_dumps(out_spec))
     chunks = pc.split_microbatches(target, 4, "target")
-    loss = _LossOfMicrobatch(job, chunks, by_index, out_spec)
+    loss = _LossOfMicrobatch(spec, target, by_index)
     output = torch.ones(2, 2)  # torch's last stage returns flat leaves; the loss sees the model's structure
     assert torch.equal(loss(output, sent.tensor_split(4)[2]), chunks[2]["w"].sum())
     tensor_target = torch.randn(8, 2)
-    plain = _LossOfMicrobatch(dataclasses.replace(job, target=tensor_target), list(tensor_target.split(2)), False,
-                              out_spec)
+    plain = _LossOfMicrobatch(dataclasses.replace(spec, target=tensor_target), tensor_target, False)
     with pytest.raises(TorchStepError, match="chunked the target differently"):
         plain(output, tensor_target[2:4])  # micro-batch 0 given micro-batch 1's chunk
 
@@ -161,7 +169,7 @@ def test_torch_does_not_scale_input_gradients(pipecheck_world) -> None:
     (x,), kwargs = entry.inputs()
     with pytest.raises(pc.EquivalenceError) as caught:
         pc.assert_equivalent(entry.factory(), (x.requires_grad_(),), kwargs, runner="torch",
-                             n_microbatches=N_MICROBATCHES, options={"world": pipecheck_world(4)})
+                             n_microbatches=N_MICROBATCHES, world=pipecheck_world(4))
     report = caught.value.report
     assert [row.name for row in report.failures] == ["grad input x"]
     assert report.row("grad input x").max_rel == pytest.approx(N_MICROBATCHES - 1, rel=1e-4)

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from pipecheck._errors import (
-    JobPickleError,
     RankDiedError,
     RankFailedError,
     RankTimeoutError,
+    TaskPickleError,
     WorldError,
     WorldStartError,
 )
@@ -105,7 +105,7 @@ def test_properties_describe_the_placement(world: World) -> None:
     assert repr(world) == "World(2, device='cpu', timeout=60, start_timeout=60)"
 
 
-# --- faults: each is reported, then the next job on the same World passes ----
+# --- faults: each is reported, then the next task on the same World passes ---
 
 
 def test_rank_that_raises_names_rank_stage_and_traceback(world: World) -> None:
@@ -113,10 +113,11 @@ def test_rank_that_raises_names_rank_stage_and_traceback(world: World) -> None:
         world.run(jobs.raise_on_rank, 1)
     error = caught.value
     assert (error.rank, error.stage) == (1, 3)
+    assert (error.error.exc_type, error.error.message, error.error.action) == ("ValueError", "boom on rank 1", "1B0")
     message = str(error)
     assert message.startswith(
         "rank 1 of 2 raised ValueError: boom on rank 1 while running stage 3 (action '1B0') "
-        "of job _world_jobs.raise_on_rank."
+        "of task _world_jobs.raise_on_rank."
     )
     assert 'in raise_on_rank\n        raise ValueError(f"boom on rank {ctx.rank}")' in message
     assert "Still running when stopped: rank(s) 0 (probably waiting for rank 1)." in message
@@ -133,7 +134,7 @@ def test_rank_that_hangs_times_out_with_every_ranks_stack(world: World) -> None:
     assert error.ranks == (1,)
     message = str(error)
     assert message.startswith(
-        "job _world_jobs.hang_on_rank did not finish within 2 s on rank(s) 1 of 2."
+        "task _world_jobs.hang_on_rank did not finish within 2 s on rank(s) 1 of 2."
     )
     assert "rank 0: finished\nrank 1: still running, stage 2 (action '2F0')" in message
     assert "in sleep_forever" in error.stacks[1] and "in hang_on_rank" in error.stacks[1]
@@ -161,7 +162,7 @@ def test_rank_that_dies_is_reported_promptly(
     error = caught.value
     assert (error.rank, error.exitcode, error.stage) == (1, exitcode, 1)
     assert str(error).startswith(
-        f"rank 1 of 2 died while running stage 1 of job _world_jobs.die_on_rank: {expected}"
+        f"rank 1 of 2 died while running stage 1 of task _world_jobs.die_on_rank: {expected}"
     )
     if how == "segfault":
         assert "Fatal Python error: Segmentation fault" in str(error)
@@ -187,7 +188,7 @@ def test_unpicklable_job_is_refused_with_the_fix(
     world: World, fn: object, args: tuple[object, ...], what: str
 ) -> None:
     with pytest.raises(
-        JobPickleError, match=f"World.run\\(\\): {what} cannot be pickled.*move fn to module level"
+        TaskPickleError, match=f"World.run\\(\\): {what} cannot be pickled.*move fn to module level"
     ):
         world.run(fn, *args)
 

@@ -27,6 +27,7 @@ from pipecheck._errors import PipecheckError
 from pipecheck._markers import SplitPoint
 from pipecheck._report import Report
 from pipecheck._runners import BUILTIN
+from pipecheck.schedules import SCHEDULE_NAMES
 from pipecheck.strategies._internal import repro as _repro
 from pipecheck.strategies._internal.builder import build, make_inputs
 from pipecheck.strategies._internal.cuts import (
@@ -41,7 +42,7 @@ from pipecheck.strategies._internal.description import ModelSpec, features
 from pipecheck.strategies._internal.models import models as _models
 
 RUNNER_NAMES = BUILTIN
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = SCHEDULE_NAMES
 """Schedule names, simplest first: a case shrinks towards the leftmost one allowed."""
 
 DEFAULT_RUNNERS: tuple[Any, ...] = ("reference",)
@@ -112,7 +113,7 @@ class PipelineCase:
     def run(self, runner: Any = None, **extra: Any) -> Report:
         """``pc.assert_equivalent`` of this case; ``extra`` adds or overrides keyword arguments.
 
-        E.g. ``case.run("distributed", options={"world": world})``.
+        E.g. ``case.run("distributed", world=world)``.
         """
         from pipecheck._check import assert_equivalent
 
@@ -140,7 +141,7 @@ class PipelineCase:
         """Python source of this check: the model (``to_source``) plus the exact call.
 
         Paste it into a test file (it defines ``test_pipeline_case``) or run it as
-        a script. A World passed in ``options`` is left out: the distributed
+        a script. A ``world=`` passed in is left out: the distributed
         runner makes one of ``world_size`` ranks.
         """
         return _repro.source(self.spec, self.call_arguments(runner, **extra))

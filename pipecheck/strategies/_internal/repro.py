@@ -24,7 +24,7 @@ BANNER = ("Reproduce this failure with the script below (pipecheck.strategies): 
           "a test file, or run it with python.")
 
 # Driver-side objects that cannot be written as source; the runner makes its own.
-_LEFT_OUT_OPTIONS = ("world",)
+_LEFT_OUT = {"world": "the runner makes its own"}  # live objects that have no source form
 
 
 def source(spec: ModelSpec, arguments: Mapping[str, Any]) -> str:
@@ -43,15 +43,10 @@ def source(spec: ModelSpec, arguments: Mapping[str, Any]) -> str:
              "        args,",
              "        kwargs,"]
     for name, value in arguments.items():
-        if name == "options":
-            kept = {key: item for key, item in dict(value or {}).items()
-                    if key not in _LEFT_OUT_OPTIONS}
-            left_out = sorted(set(dict(value or {})) - set(kept))
-            if left_out:
-                lines.append(f"        # options {left_out} left out: the runner makes its own")
-            if not kept:
-                continue
-            value = kept
+        if name in _LEFT_OUT:
+            if value is not None:
+                lines.append(f"        # {name}=... left out: {_LEFT_OUT[name]}")
+            continue
         text, comment = _source_of(value, imports)
         lines.append(f"        {name}={text},{f'  # {comment}' if comment else ''}")
     lines += ["    )"]

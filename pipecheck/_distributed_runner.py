@@ -1,0 +1,111 @@
+"""The "distributed" runner: pipecheck's stage runtime on a World, and ``pc.run_pipeline``.
+
+    with pc.World(world_size=4) as world:
+        res = pc.run_pipeline(world, make_model, (x,), schedule="1f1b", n_microbatches=4)
+
+The driver plans the step (the schedule, validated against the split's
+dependencies), sends every rank the same small :class:`StepSpec`, and merges
+the ranks' results into one :class:`StepResult` keyed by original FQNs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from pipecheck._errors import InputError
+from pipecheck._inputs import as_args
+from pipecheck._job import Job
+from pipecheck._microbatch import merge_microbatches
+from pipecheck._model_factory import ModelFactory
+from pipecheck._pipe import Pipe
+from pipecheck._result import StepResult
+from pipecheck._runners import merge_stage_grads, world_for
+from pipecheck._runtime import RankResult, StepSpec, dependencies, rank_step
+from pipecheck._stage_step import InputGradKey, LeafGrads, merge_input_grads
+from pipecheck._timeline import write_chrome_trace
+from pipecheck._world import World
+from pipecheck.schedules import Schedule, make_schedule
+
+ENGINE = "pipecheck's runtime"
+
+
+def plan_schedule(job: Job, pipe: Pipe) -> Schedule:
+    """The job's schedule for ``pipe``, validated against the split's dependencies (skips too)."""
+    if isinstance(job.schedule, Schedule):
+        schedule = job.schedule
+    else:
+        if pipe.num_stages == 1 and job.stages_per_rank > 1:
+            raise InputError(f"stages_per_rank={job.stages_per_rank} but the model is not cut (1 stage): "
+                             "Fix: cut it with pipe_split() markers, split_spec or policy.")
+        schedule = make_schedule(str(job.schedule), pipe.num_stages, job.n_microbatches, job.stages_per_rank)
+    if schedule.n_stages != pipe.num_stages or schedule.n_microbatches != job.n_microbatches:
+        raise InputError(f"schedule {schedule.name!r} is for {schedule.n_stages} stages and "
+                         f"{schedule.n_microbatches} micro-batches, but the split has {pipe.num_stages} stages "
+                         f"and n_microbatches={job.n_microbatches}. Fix: build the schedule for this split.")
+    schedule.validate(dependencies(pipe))
+    return schedule
+
+
+def step_spec(job: Job, schedule: Schedule) -> StepSpec:
+    return StepSpec(job.model, job.split_spec, job.policy, job.tracer, job.args, job.kwargs, job.loss_fn,
+                    job.target, schedule)
+
+
+def merge_rank_results(pipe: Pipe, results: Sequence[RankResult], n_microbatches: int) -> StepResult:
+    outputs: dict[int, list[Any]] = {}
+    losses: dict[int, torch.Tensor] = {}
+    stage_grads: dict[int, dict[str, torch.Tensor]] = {}
+    input_grads: dict[InputGradKey, LeafGrads] = {}
+    for result in results:
+        outputs.update(result.outputs)
+        losses.update(result.losses)
+        stage_grads.update(result.grads)
+        input_grads.update(result.input_grads)
+    merged = merge_microbatches([pytree.tree_unflatten(outputs[m], pipe.out_spec) for m in range(n_microbatches)])
+    grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
+    return StepResult(merged, torch.stack([losses[m] for m in range(n_microbatches)]).mean(), grads,
+                      merge_input_grads(input_grads, n_microbatches),
+                      stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
+                      replica_grads=replicas)
+
+
+def run_distributed(job: Job) -> StepResult:
+    """The "distributed" runner: pipecheck's runtime on the job's World, or a shared one."""
+    pipe = job.structure()
+    schedule = plan_schedule(job, pipe)
+    world = world_for(job, schedule.n_ranks, ENGINE)
+    started = time.perf_counter()
+    results = world.run(rank_step, step_spec(job, schedule), timeout=job.timeout)
+    result = merge_rank_results(pipe, results, job.n_microbatches)
+    result.timings["step_s"] = time.perf_counter() - started
+    result.events = [e for r in results for e in r.events]
+    if job.trace_path:
+        write_chrome_trace(job.trace_path, result.events, schedule)
+    return result
+
+
+def run_pipeline(world: World, model: Any, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
+                 split_spec: Mapping[str, Any] | None = None, policy: Any = None, tracer: str = "fx",
+                 schedule: str | Schedule = "1f1b", n_microbatches: int = 4, loss_fn: Any = None,
+                 target: Any = None, stages_per_rank: int = 1, seed: int = 0, timeout: float | None = None,
+                 trace_path: str | None = None) -> StepResult:
+    """One training step of ``model`` through pipecheck's runtime on ``world``.
+
+        with pc.World(world_size=4) as world:
+            res = pc.run_pipeline(world, make_model, (x,), n_microbatches=4, trace_path="t.json")
+
+    ``model`` is an nn.Module or a zero-argument factory; either travels to the ranks pickled.
+    """
+    if loss_fn is None and target is not None:
+        raise InputError("target was given without loss_fn. Fix: pass loss_fn=..., or drop target.")
+    job = Job(model=ModelFactory(model, seed=seed), args=as_args(args), kwargs=dict(kwargs or {}),
+              split_spec=split_spec, policy=policy, tracer=tracer, loss_fn=loss_fn, target=target,
+              n_microbatches=n_microbatches, schedule=schedule, world_size=world.world_size,
+              stages_per_rank=stages_per_rank, device=world.device, timeout=timeout, world=world,
+              trace_path=trace_path)
+    return run_distributed(job)

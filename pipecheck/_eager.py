@@ -1,0 +1,140 @@
+"""The eager side of a check: the model run per micro-batch, as a pipeline sees it.
+
+    eager, target = eager_step(model, inputs, loss_fn, n_microbatches, check_grads=True)
+    check_deterministic(model, inputs, n_microbatches, seed)    # InputError if the RNG changes outputs
+    check_finite(eager)                                          # NonFiniteError on NaN/Inf
+
+The loss is the mean over micro-batches of ``loss_fn(out_mb, target_mb)``;
+without ``loss_fn`` it is the seeded random projection of every output
+element, and the projection weights become the target every runner gets.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from pipecheck._errors import InputError, NonFiniteError, PipecheckError
+from pipecheck._inputs import Inputs
+from pipecheck._microbatch import merge_microbatches, split_microbatches
+from pipecheck._model_factory import seeded
+from pipecheck._numerics import nonfinite
+from pipecheck._result import StepResult
+from pipecheck.losses import LossFn, MicrobatchLoss, projection_loss, projection_target
+
+
+def output_name(path: tuple[Any, ...]) -> str:
+    """An output leaf's row name: ``output``, ``output[0]``, ``output['logits']``."""
+    return "output" + pytree.keystr(path)
+
+
+def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_microbatches: int,
+               check_grads: bool, *, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,
+               target: Any = None) -> tuple[StepResult, Any]:
+    """The model run eagerly on each micro-batch; loss = mean of per-micro-batch losses.
+
+    Runs on ``inputs`` (or on ``args``/``kwargs``/``target`` bound the same way, e.g. their
+    float64 copies). Returns the result and the target used (the projection weights when
+    ``loss_fn`` is None).
+    """
+    if args is None:
+        args, kwargs, target = inputs.args, inputs.kwargs, inputs.target
+    bound = inputs.signature.bind(*args, **(kwargs or {}))
+    calls = [inspect.BoundArguments(bound.signature, chunk)
+             for chunk in split_microbatches(dict(bound.arguments), n_microbatches)]  # errors name the input
+    outputs = [_call(model, call, n_microbatches) for call in calls]
+    merged = merge_microbatches(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, outputs))
+    if loss_fn is None:
+        loss_fn, target = projection_loss, projection_target(merged)
+    loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
+    loss = torch.stack([loss_of(mb, out) for mb, out in enumerate(outputs)]).mean()
+    grads: dict[str, torch.Tensor] = {}
+    input_grads: dict[str, torch.Tensor] = {}
+    if check_grads:
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named_inputs = [(name, value) for name, value in bound.arguments.items()
+                        if isinstance(value, torch.Tensor) and value.requires_grad]
+        wrt = [p for _, p in params] + [t for _, t in named_inputs]
+        if wrt and loss.requires_grad:
+            got = torch.autograd.grad(loss, wrt, allow_unused=True)
+            grads = {n: g for (n, _), g in zip(params, got) if g is not None}
+            input_grads = {n: g for (n, _), g in zip(named_inputs, got[len(params):]) if g is not None}
+    return StepResult(merged, loss.detach(), grads, input_grads), target
+
+
+def _call(model: nn.Module, call: inspect.BoundArguments, n_microbatches: int) -> Any:
+    try:
+        return model(*call.args, **call.kwargs)
+    except PipecheckError:
+        raise
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise InputError(
+            f"the eager model failed on one micro-batch of its inputs ({type(err).__name__}: {first}). "
+            f"With n_microbatches={n_microbatches} each call sees 1/{n_microbatches} of the batch. Fix: make "
+            "forward work for any batch size (no hard-coded batch), or use n_microbatches=1."
+        ) from None
+
+
+@contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Run a block and put the model's buffers back as they were (a forward may update them)."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def check_deterministic(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> None:
+    """Refuse a model whose outputs depend on the RNG: no pipeline can match it, and its spread
+    would widen the auto tolerance until a wrong answer passes. Leaves the model's buffers as found."""
+    runs = []
+    for offset in (1, 2):
+        inputs = inputs.unspoiled()  # a forward that wrote into its inputs: the second run gets a copy
+        first = split_microbatches(inputs.arguments, n_microbatches)[0]
+        call = inspect.BoundArguments(inputs.signature, first)
+        with seeded(seed + offset), torch.no_grad(), buffers_kept(model):
+            runs.append(pytree.tree_leaves(_call(model, call, n_microbatches)))
+    for a, b in zip(*runs):
+        if isinstance(a, torch.Tensor) and not torch.equal(a, b) and not (a.isnan() & b.isnan()).any():
+            raise InputError(
+                f"{type(model).__name__} is not deterministic: two eager runs with different RNG seeds give "
+                "different outputs (dropout or another random op in train mode?). No pipeline can match it. "
+                "Fix: check the model in eval mode (model.eval()) or without its random ops."
+            )
+
+
+def named_tensors(result: StepResult) -> list[tuple[str, Any]]:
+    """Every compared value of a result by row name: outputs, loss, parameter and input gradients."""
+    named = [(output_name(path), leaf) for path, leaf in pytree.tree_flatten_with_path(result.outputs)[0]]
+    if result.loss is not None:
+        named.append(("loss", result.loss))
+    named += [(f"grad {fqn}", g) for fqn, g in result.grads.items()]
+    named += [(f"grad input {name}", g) for name, g in result.input_grads.items()]
+    return named
+
+
+def check_finite(eager: StepResult) -> None:
+    bad = [name for name, value in named_tensors(eager) if isinstance(value, torch.Tensor) and nonfinite(value)]
+    if bad:
+        raise NonFiniteError(
+            f"the eager model itself produced NaN/Inf in: {', '.join(bad)}. No comparison is meaningful. "
+            "Fix: check the model and inputs (overflow in float16? log of zero?) before checking the pipeline."
+        )
+
+
+def result_dtype(result: StepResult) -> torch.dtype:
+    """The dtype of the first floating output (float32 if none)."""
+    for leaf in pytree.tree_leaves(result.outputs):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.dtype
+    return torch.float32

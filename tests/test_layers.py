@@ -1,0 +1,113 @@
+"""The package's shape, read from its imports: every module sits on a layer, and imports only its
+own layer or those below (SPEC.md, "Layers"); the "never" rules hold; no module imports the faces.
+
+    base -> split | world -> runtime (reference, schedules, executor) -> runners -> check -> faces
+
+split and world are peers: neither imports the other. Imports inside functions and under
+``TYPE_CHECKING`` count too: a lazy import is still an arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pipecheck"
+
+LAYERS: dict[str, tuple[str, ...]] = {
+    "base": ("_errors", "_result"),
+    "split": ("_markers", "_inputs", "_model_factory", "_microbatch", "losses", "policies", "_trace", "_pipe"),
+    "world": ("_worker", "_world_spawn", "_world"),
+    "runtime": ("_stage_step", "_reference", "_schedule_sim", "schedules", "_timeline", "_comm", "_runtime",
+                "_torch_rank"),
+    "runners": ("_job", "_runners", "_distributed_runner", "_torch_runner"),
+    "check": ("_numerics", "_diagnose", "_eager", "_compare", "_report", "_check", "strategies"),
+    "faces": ("__init__", "__main__", "_cli", "plugin"),
+}
+RANK = {"base": 0, "split": 1, "world": 1, "runtime": 2, "runners": 3, "check": 4, "faces": 5}
+PEERS = {frozenset({"split", "world"})}  # same rank, and neither may import the other
+
+# What a layer never knows about (SPEC.md): the splitter nothing of processes or verdicts, numerics
+# nothing of processes.
+NEVER: dict[tuple[str, ...], tuple[str, ...]] = {
+    LAYERS["split"] + LAYERS["base"]: ("torch.distributed", "multiprocessing"),
+    ("_numerics", "_diagnose", "_report"): ("torch.distributed", "multiprocessing", *LAYERS["world"]),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts)
+
+
+def _layer_of(module: str) -> str:
+    top = module.split(".")[0]
+    for layer, members in LAYERS.items():
+        if module in members or top in members:
+            return layer
+    raise KeyError(module)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in it; pipecheck's own without the ``pipecheck.`` prefix."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            if node.module == "pipecheck":  # from pipecheck import losses, World, ...
+                found.update(f"pipecheck.{alias.name}" for alias in node.names)
+    own = {name.removeprefix("pipecheck.") for name in found if name.startswith("pipecheck.")}
+    own = {name for name in own if name != "fixtures" and not name.startswith("fixtures.")}
+    return {name for name in found if not name.startswith("pipecheck")} | own
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _own(name: str, modules: dict[str, Path]) -> bool:
+    return name in modules or f"{name}.__init__" in modules or name.split(".")[0] in modules
+
+
+def test_every_module_sits_on_a_layer() -> None:
+    unplaced = []
+    for module in _modules():
+        try:
+            _layer_of(module)
+        except KeyError:
+            unplaced.append(module)
+    assert unplaced == [], f"give these modules a layer in tests/test_layers.py: {unplaced}"
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_imports_go_down_or_sideways_never_up(module: str) -> None:
+    modules = _modules()
+    layer = _layer_of(module)
+    wrong = []
+    for name in sorted(_imports(modules[module])):
+        if not _own(name, modules) or name.split(".")[0] == module.split(".")[0]:
+            continue
+        target = _layer_of(name)
+        if RANK[target] > RANK[layer] or (target != layer and frozenset({layer, target}) in PEERS):
+            wrong.append(f"{name} ({target})")
+    assert wrong == [], f"{module} ({layer}) imports upwards or across: {wrong}"
+
+
+@pytest.mark.parametrize("members,forbidden", [pytest.param(m, f, id=",".join(m[:2])) for m, f in NEVER.items()])
+def test_what_a_layer_never_knows(members: tuple[str, ...], forbidden: tuple[str, ...]) -> None:
+    modules = _modules()
+    wrong = {member: sorted(name for name in _imports(modules[member])
+                            if any(name == f or name.startswith(f + ".") for f in forbidden))
+             for member in members}
+    assert {m: names for m, names in wrong.items() if names} == {}
+
+
+def test_nothing_imports_the_faces() -> None:
+    modules = _modules()
+    importers = {module: sorted(name for name in _imports(path) if name in ("_cli", "plugin"))
+                 for module, path in modules.items() if module != "__main__"}
+    assert {m: names for m, names in importers.items() if names} == {}
