@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "PipecheckError": "pipecheck._errors",
     "Report": "pipecheck._report",
     "Runner": "pipecheck._job",
+    "Replicated": "pipecheck._microbatch",
     "ScheduleError": "pipecheck._errors",
     "Source": "pipecheck._pipe",
     "SplitError": "pipecheck._errors",
@@ -87,7 +88,7 @@ if typing.TYPE_CHECKING:
     )
     from pipecheck._job import Job, Runner
     from pipecheck._markers import SplitPoint, pipe_split
-    from pipecheck._microbatch import merge_microbatches, split_microbatches
+    from pipecheck._microbatch import Replicated, merge_microbatches, split_microbatches
     from pipecheck._model_factory import ModelFactory
     from pipecheck._numerics import Tolerance
     from pipecheck._pipe import Edge, Pipe, Source, Stage, TiedGroup, split

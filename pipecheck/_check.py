@@ -70,7 +70,7 @@ def assert_equivalent(
     split_spec: SplitSpec | None = None, policy: Policy | None = None, loss_fn: LossFn | None = None,
     target: Any = None, n_microbatches: int = 1, schedule: str = "1f1b", world_size: int | None = None,
     runner: Any = "distributed", device: str | None = None, dtype: torch.dtype | None = None,
-    tolerance: ToleranceLike = "auto", check_grads: bool = True, seed: int = 0, tracer: str = "fx",
+    tolerance: ToleranceLike = "auto", check_grads: bool = True, seed: int = 0, tracer: str = "auto",
     stages_per_rank: int = 1, timeout: float | None = None, world: World | None = None,
     trace_path: str | None = None,
 ) -> Report:
@@ -107,6 +107,7 @@ def assert_equivalent(
         inputs = prepare_inputs(built, args, kwargs, target, dtype=dtype, device=device)
     with clock("split_s"):
         pipe = split(built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
+    initial_buffers = {name: b.detach().clone() for name, b in built.named_buffers()}
     with clock("eager_s"), seeded(seed), buffers_kept(built):  # the user's RNG streams are left as they were
         eager, target_used = eager_step(built, inputs, loss_fn, n_microbatches, check_grads)
     inputs = inputs.unspoiled()
@@ -130,10 +131,11 @@ def assert_equivalent(
     clean = inputs.unspoiled()  # hints re-run the reference: never on inputs the runner wrote into
     job = dataclasses.replace(job, args=clean.args, kwargs=clean.kwargs)
     with clock("compare_s"):
-        rows, hints = compare_all(pipe, job, result, eager, ref64, tolerance, check_grads)
+        rows, hints, notes = compare_all(pipe, job, result, eager, ref64, tolerance, check_grads, initial_buffers)
     timings["total_s"] = time.perf_counter() - started
     report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
-                    str(result_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings)
+                    str(result_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings,
+                    notes, pipe.tracer)
     if not report.ok:
         raise EquivalenceError(report.failure_text(), report)
     return report

@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--stages", type=int, help="cut into N stages with balanced_params (if no pipe_split)")
     check.add_argument("--split-spec", nargs="*", metavar="FQN=BEGINNING|END")
     check.add_argument("--runner", default="distributed", choices=available_runners())
-    check.add_argument("--tracer", default="fx", choices=("fx", "export"))
+    check.add_argument("--tracer", default="auto", choices=("auto", "fx", "export"))
     check.add_argument("--stages-per-rank", type=int, default=1)
     check.add_argument("--seed", type=int, default=0)
     common(check)

@@ -1,12 +1,14 @@
 """Every row of a check: the runner's result against eager and the fp64 truth, with hints.
 
-    rows, hints = compare_all(pipe, job, result, eager, ref64, tolerance, check_grads=True)
+    rows, hints, notes = compare_all(pipe, job, result, eager, ref64, tolerance, True, initial_buffers)
 
 Outputs are matched by key path (so a dict in another order, or a list for a
 tuple, is the same output); every eager gradient is compared, each replica of
 a tied parameter where the runner reports replicas, and a gradient the runner
 produces that eager does not (unused or frozen parameter, a renamed FQN) fails
-unless it is all zeros.
+unless it is all zeros. Buffers after the step are compared as ``buffer <fqn>``
+rows when the runner reports buffers; one it leaves out fails only if the
+eager step changed it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.utils._pytree as pytree
 from pipecheck._diagnose import diagnose_grad, diagnose_output, dropped_skip_hint, matches
 from pipecheck._eager import output_name
 from pipecheck._job import Job
+from pipecheck._microbatch import split_microbatches
 from pipecheck._numerics import Row, ToleranceLike, compare
 from pipecheck._pipe import Pipe
 from pipecheck._reference import DetachExecutor
@@ -27,13 +30,16 @@ from pipecheck._result import StepResult
 
 
 def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
-                tolerance: ToleranceLike, check_grads: bool) -> tuple[list[Row], dict[str, str]]:
+                tolerance: ToleranceLike, check_grads: bool, initial_buffers: dict[str, torch.Tensor]
+                ) -> tuple[list[Row], dict[str, str], list[str]]:
     rows: list[Row] = []
     hints: dict[str, str] = {}
+    notes: list[str] = []
     _compare_outputs(pipe, job, result, eager, ref64, tolerance, rows, hints)
     rows.append(compare("loss", result.loss, eager.loss, ref64.loss, tolerance, (pipe.num_stages - 1,)))
+    _compare_buffers(pipe, job, result, eager, ref64, tolerance, initial_buffers, rows, hints, notes)
     if not check_grads:
-        return rows, hints
+        return rows, hints, notes
     _compare_param_grads(pipe, job, result, eager, ref64, tolerance, rows, hints)
     _diagnose_dropped_skips(pipe, job, result, rows, hints)
     for name, e_grad in eager.input_grads.items():
@@ -42,7 +48,52 @@ def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref
                   tolerance, consumers, job, rows, hints)
     _unexpected_grads(result.grads, eager.grads, "grad ", pipe, rows, hints)
     _unexpected_grads(result.input_grads, eager.input_grads, "grad input ", pipe, rows, hints)
-    return rows, hints
+    return rows, hints, notes
+
+
+def _compare_buffers(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
+                     tolerance: ToleranceLike, initial: dict[str, torch.Tensor], rows: list[Row],
+                     hints: dict[str, str], notes: list[str]) -> None:
+    """``buffer <fqn>`` rows: each buffer after the step against the eager model's after its micro-batches."""
+    changed = [fqn for fqn, after in eager.buffers.items()
+               if fqn in initial and not _same(after, initial[fqn])]
+    if not result.buffers:
+        if eager.buffers:
+            notes.append(f"buffers were not compared: the runner reported none ({len(changed)} of "
+                         f"{len(eager.buffers)} buffers change during the eager step)")
+        return
+    failing: list[str] = []
+    for fqn, after in eager.buffers.items():
+        if fqn not in result.buffers and fqn not in changed:
+            continue  # never touched by the step: a runner need not report it
+        name = f"buffer {fqn}"
+        row = compare(name, result.buffers.get(fqn), after, ref64.buffers[fqn], tolerance, pipe.buffer_stages(fqn))
+        rows.append(row)
+        if not row.ok and row.numel and fqn in changed and job.n_microbatches > 1:
+            failing.append(fqn)
+    if failing:
+        _diagnose_buffers(job, result, failing, hints)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _diagnose_buffers(job: Job, result: StepResult, failing: list[str], hints: dict[str, str]) -> None:
+    """Does a failing buffer hold one micro-batch's update alone (updates not carried from one
+    micro-batch to the next)? One what-if reference run per micro-batch, only on failure."""
+    n = job.n_microbatches
+    inputs = split_microbatches((job.args, job.kwargs), n)
+    targets = split_microbatches(job.target, n, "target") if job.target is not None else [None] * n
+    alone = [DetachExecutor(job.split()).step(args, kwargs, loss_fn=job.loss_fn, target=target).buffers
+             for (args, kwargs), target in zip(inputs, targets)]
+    for fqn in failing:
+        found = [mb for mb, buffers in enumerate(alone) if fqn in buffers and matches(result.buffers[fqn], buffers[fqn])]
+        if found:
+            which = f"micro-batch {found[0]}'s update" if len(found) == 1 else "one micro-batch's update"
+            hints[f"buffer {fqn}"] = (
+                f"buffer holds {which} alone: each micro-batch must update the buffer the previous one left "
+                f"(carry buffers from micro-batch to micro-batch, in order), as eager does over all {n}")
 
 
 def _compare_outputs(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from pipecheck._errors import InputError
 from pipecheck._inputs import as_args
 from pipecheck._job import Job
-from pipecheck._microbatch import merge_microbatches
+from pipecheck._microbatch import merge_microbatches, replicated_names
 from pipecheck._model_factory import ModelFactory
 from pipecheck._pipe import Pipe
 from pipecheck._result import StepResult
@@ -51,25 +51,32 @@ def plan_schedule(job: Job, pipe: Pipe) -> Schedule:
     return schedule
 
 
-def step_spec(job: Job, schedule: Schedule) -> StepSpec:
-    return StepSpec(job.model, job.split_spec, job.policy, job.tracer, job.args, job.kwargs, job.loss_fn,
+def step_spec(job: Job, schedule: Schedule, tracer: str) -> StepSpec:
+    """What every rank gets; ``tracer`` is the one that made the driver's split (not "auto" again)."""
+    return StepSpec(job.model, job.split_spec, job.policy, tracer, job.args, job.kwargs, job.loss_fn,
                     job.target, schedule)
 
 
-def merge_rank_results(pipe: Pipe, results: Sequence[RankResult], n_microbatches: int) -> StepResult:
+def merge_rank_results(pipe: Pipe, results: Sequence[RankResult], n_microbatches: int,
+                       replicated: frozenset[str] = frozenset()) -> StepResult:
     outputs: dict[int, list[Any]] = {}
     losses: dict[int, torch.Tensor] = {}
     stage_grads: dict[int, dict[str, torch.Tensor]] = {}
     input_grads: dict[InputGradKey, LeafGrads] = {}
+    stage_buffers: dict[int, dict[str, torch.Tensor]] = {}
     for result in results:
+        stage_buffers.update(result.buffers)
         outputs.update(result.outputs)
         losses.update(result.losses)
         stage_grads.update(result.grads)
         input_grads.update(result.input_grads)
     merged = merge_microbatches([pytree.tree_unflatten(outputs[m], pipe.out_spec) for m in range(n_microbatches)])
     grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
+    buffers: dict[str, torch.Tensor] = {}
+    for s in sorted(stage_buffers):  # a buffer several stages hold: the last stage's, which ran last
+        buffers.update(stage_buffers[s])
     return StepResult(merged, torch.stack([losses[m] for m in range(n_microbatches)]).mean(), grads,
-                      merge_input_grads(input_grads, n_microbatches),
+                      merge_input_grads(input_grads, n_microbatches, replicated), buffers,
                       stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
                       replica_grads=replicas)
 
@@ -80,8 +87,9 @@ def run_distributed(job: Job) -> StepResult:
     schedule = plan_schedule(job, pipe)
     world = world_for(job, schedule.n_ranks, ENGINE)
     started = time.perf_counter()
-    results = world.run(rank_step, step_spec(job, schedule), timeout=job.timeout)
-    result = merge_rank_results(pipe, results, job.n_microbatches)
+    results = world.run(rank_step, step_spec(job, schedule, pipe.tracer), timeout=job.timeout)
+    replicated = replicated_names(pipe.bind_inputs(job.args, job.kwargs))
+    result = merge_rank_results(pipe, results, job.n_microbatches, replicated)
     result.timings["step_s"] = time.perf_counter() - started
     result.events = [e for r in results for e in r.events]
     if job.trace_path:
@@ -90,7 +98,7 @@ def run_distributed(job: Job) -> StepResult:
 
 
 def run_pipeline(world: World, model: Any, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
-                 split_spec: Mapping[str, Any] | None = None, policy: Any = None, tracer: str = "fx",
+                 split_spec: Mapping[str, Any] | None = None, policy: Any = None, tracer: str = "auto",
                  schedule: str | Schedule = "1f1b", n_microbatches: int = 4, loss_fn: Any = None,
                  target: Any = None, stages_per_rank: int = 1, seed: int = 0, timeout: float | None = None,
                  trace_path: str | None = None) -> StepResult:

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from pipecheck._errors import InputError, NonFiniteError, PipecheckError
 from pipecheck._inputs import Inputs
-from pipecheck._microbatch import merge_microbatches, split_microbatches
+from pipecheck._microbatch import merge_microbatches, split_microbatches, unwrap_replicated
 from pipecheck._model_factory import seeded
 from pipecheck._numerics import nonfinite
 from pipecheck._result import StepResult
@@ -58,14 +58,15 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
     input_grads: dict[str, torch.Tensor] = {}
     if check_grads:
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        named_inputs = [(name, value) for name, value in bound.arguments.items()
+        named_inputs = [(name, value) for name, value in unwrap_replicated(dict(bound.arguments)).items()
                         if isinstance(value, torch.Tensor) and value.requires_grad]
         wrt = [p for _, p in params] + [t for _, t in named_inputs]
         if wrt and loss.requires_grad:
             got = torch.autograd.grad(loss, wrt, allow_unused=True)
             grads = {n: g for (n, _), g in zip(params, got) if g is not None}
             input_grads = {n: g for (n, _), g in zip(named_inputs, got[len(params):]) if g is not None}
-    return StepResult(merged, loss.detach(), grads, input_grads), target
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    return StepResult(merged, loss.detach(), grads, input_grads, buffers), target
 
 
 def _call(model: nn.Module, call: inspect.BoundArguments, n_microbatches: int) -> Any:

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._errors import InputError
+from pipecheck._microbatch import Replicated, unwrap_replicated
 
 Device = str | torch.device | None
 
@@ -51,10 +52,13 @@ def as_args(args: Sequence[Any] | Any) -> tuple[Any, ...]:
 def cast_inputs(value: Any, dtype: torch.dtype | None, device: Device, *, copy: bool = False) -> Any:
     """Floating tensors to ``dtype``, every tensor to ``device``, keeping requires_grad; never in place.
 
-    Without ``copy`` a tensor that needs no cast is passed on as it is.
+    Without ``copy`` a tensor that needs no cast is passed on as it is. A :class:`Replicated`
+    input stays wrapped, its value cast.
     """
 
     def cast(leaf: Any) -> Any:
+        if isinstance(leaf, Replicated):
+            return Replicated(pytree.tree_map(cast, leaf.value))
         if not isinstance(leaf, torch.Tensor):
             return leaf
         target = dtype if dtype is not None and leaf.is_floating_point() else leaf.dtype
@@ -67,7 +71,8 @@ def cast_inputs(value: Any, dtype: torch.dtype | None, device: Device, *, copy: 
 
 
 def _tensor_versions(value: Any) -> tuple[int, ...]:
-    return tuple(leaf._version for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor))
+    leaves = pytree.tree_leaves(unwrap_replicated(value))
+    return tuple(leaf._version for leaf in leaves if isinstance(leaf, torch.Tensor))
 
 
 @dataclass(frozen=True)
@@ -87,11 +92,6 @@ class Inputs:
     def arguments(self) -> dict[str, Any]:
         """``forward``'s parameter name -> value (checked when prepared)."""
         return dict(self.signature.bind(*self.args, **self.kwargs).arguments)
-
-    def grad_inputs(self) -> list[tuple[str, torch.Tensor]]:
-        """The inputs that require grad, by parameter name."""
-        return [(name, value) for name, value in self.arguments.items()
-                if isinstance(value, torch.Tensor) and value.requires_grad]
 
     def unspoiled(self) -> Inputs:
         """These inputs if no run wrote into them since they were made, else a fresh copy."""

@@ -43,7 +43,7 @@ class Job:
     kwargs: dict[str, Any] = field(default_factory=dict)
     split_spec: Mapping[str, Any] | None = None
     policy: Policy | None = None
-    tracer: str = "fx"
+    tracer: str = "auto"  # "auto": fx, or export where fx cannot trace
     loss_fn: LossFn | None = None
     target: Any = None
     n_microbatches: int = 1

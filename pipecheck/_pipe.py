@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -71,6 +71,12 @@ class Stage:
     params: tuple[str, ...]  # canonical FQNs, as model.named_parameters() names them
     buffers: tuple[str, ...]
     local_to_fqn: Mapping[str, str]  # the stage module's own parameter names -> canonical FQN
+    buffer_fqns: Mapping[str, str] = field(default_factory=dict)  # its own buffer names -> canonical FQN
+
+    def named_buffers(self) -> dict[str, torch.Tensor]:
+        """This stage's buffers by canonical FQN (the tensors themselves: a forward may update them)."""
+        return {self.buffer_fqns[local]: buffer for local, buffer in self.module.named_buffers(remove_duplicate=False)
+                if local in self.buffer_fqns}
 
 
 def _plain(value: Any) -> Any:
@@ -130,6 +136,18 @@ class Pipe:
     def param_stages(self, fqn: str) -> tuple[int, ...]:
         """The stages holding parameter ``fqn`` (more than one for a tied parameter)."""
         return self._holders.get(fqn, ())
+
+    def buffer_stages(self, fqn: str) -> tuple[int, ...]:
+        """The stages holding buffer ``fqn``."""
+        return tuple(stage.index for stage in self.stages if fqn in stage.buffers)
+
+    def buffers_after_step(self) -> dict[str, torch.Tensor]:
+        """Every stage-held buffer by canonical FQN, copied as it is now (after a step ran): where
+        several stages hold one, the last stage's, which ran last."""
+        found: dict[str, torch.Tensor] = {}
+        for stage in self.stages:
+            found.update({fqn: b.detach().clone() for fqn, b in stage.named_buffers().items()})
+        return found
 
     def __repr__(self) -> str:
         return f"<Pipe {self.model_name}: {self.num_stages} stages, tracer={self.tracer!r}>"
@@ -277,10 +295,11 @@ def partition(traced: Traced, model: nn.Module) -> Pipe:
         local = dict(module.named_parameters(remove_duplicate=False))
         local_to_fqn = {name: canonical[id(p)] for name, p in local.items() if id(p) in canonical}
         params = tuple(sorted(set(local_to_fqn.values()), key=order.__getitem__))
-        buffers = tuple(dict.fromkeys(canonical_buffers[id(b)] for _, b in module.named_buffers(remove_duplicate=False)
-                                      if id(b) in canonical_buffers))
+        buffer_fqns = {local: canonical_buffers[id(b)] for local, b in module.named_buffers(remove_duplicate=False)
+                       if id(b) in canonical_buffers}
+        buffers = tuple(dict.fromkeys(buffer_fqns.values()))
         outputs = tuple(v.name for v in returns if isinstance(v, fx.Node)) if index < n_stages - 1 else ()
-        stages.append(Stage(index, module, sources, outputs, params, buffers, local_to_fqn))
+        stages.append(Stage(index, module, sources, outputs, params, buffers, local_to_fqn, buffer_fqns))
     output_sources = tuple(
         (Source(stage_of[v], v.name) if v in stage_of else Source(None, _target(v)) if v.op == "placeholder" else None)
         if isinstance(v, fx.Node) else None for v in leaves)
@@ -306,7 +325,7 @@ def _param_holders(stages: list[Stage]) -> dict[str, tuple[int, ...]]:
 
 
 def split(model: ModelLike, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
-          split_spec: SplitSpec | None = None, policy: Policy | None = None, tracer: str = "fx") -> Pipe:
+          split_spec: SplitSpec | None = None, policy: Policy | None = None, tracer: str = "auto") -> Pipe:
     """Cut ``model`` into pipeline stages at ``pipe_split()`` markers, ``split_spec`` or ``policy``.
 
         pipe = pc.split(model, (x,), split_spec={"layers.2": pc.SplitPoint.BEGINNING})

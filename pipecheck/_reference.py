@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecheck._inputs import as_args
-from pipecheck._microbatch import merge_microbatches, split_microbatches
+from pipecheck._microbatch import merge_microbatches, replicated_names, split_microbatches
 from pipecheck._pipe import Pipe
 from pipecheck._result import StepResult
 from pipecheck._stage_step import (
@@ -89,7 +89,8 @@ class DetachExecutor:
         Without ``loss_fn`` the loss is a seeded random projection of every output element.
         """
         started = time.perf_counter()
-        inputs = split_microbatches(self.pipe.bind_inputs(as_args(args), kwargs), n_microbatches)
+        bound = self.pipe.bind_inputs(as_args(args), kwargs)
+        inputs = split_microbatches(bound, n_microbatches)
         loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
         forwards = [self.forward_microbatch(mb) for mb in inputs]
         outputs = [pytree.tree_unflatten(list(f[-1].outputs), self.pipe.out_spec) for f in forwards]
@@ -104,7 +105,8 @@ class DetachExecutor:
             outputs=merged,
             loss=torch.stack([loss.detach() for loss in losses]).mean(),
             grads=sum_stage_grads(param_grads),
-            input_grads=merge_input_grads(input_grads, n_microbatches),
+            input_grads=merge_input_grads(input_grads, n_microbatches, replicated_names(bound)),
+            buffers=self.pipe.buffers_after_step(),
             timings={"step_s": time.perf_counter() - started},
             stage_grads=param_grads,
         )

@@ -58,6 +58,8 @@ class Report:
     n_microbatches: int = 1
     num_stages: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what was not compared, and why
+    tracer: str = ""  # which tracer made the split: "fx" or "export"
 
     @property
     def failures(self) -> list[Row]:
@@ -71,7 +73,9 @@ class Report:
         return next(r for r in self.rows if r.name == name)
 
     def headline(self) -> str:
-        settings = (f"tolerance {self.tolerance}, {self.dtype}, {self.num_stages} stages, "
+        stages = f"{self.num_stages} stage{'s' if self.num_stages != 1 else ''}"
+        split_by = f" split by {self.tracer}" if self.tracer else ""
+        settings = (f"tolerance {self.tolerance}, {self.dtype}, {stages}{split_by}, "
                     f"{self.n_microbatches} micro-batch{'es' if self.n_microbatches != 1 else ''}")
         if self.ok:
             return f"pipecheck: runner {self.runner!r} matches eager ({len(self.rows)} tensors; {settings})"
@@ -79,10 +83,13 @@ class Report:
                 f"({len(self.failures)} of {len(self.rows)} tensors fail; {settings})")
 
     def failure_text(self) -> str:
-        return self.headline() + "\n\n" + format_table(self.failures, self.hints)
+        return self.headline() + "\n\n" + format_table(self.failures, self.hints) + self._notes()
 
     def __str__(self) -> str:
-        return self.headline() + "\n\n" + format_table(self.rows, self.hints)
+        return self.headline() + "\n\n" + format_table(self.rows, self.hints) + self._notes()
+
+    def _notes(self) -> str:
+        return "".join(f"\nnote: {note}" for note in self.notes)
 
 
 def format_plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False) -> str:

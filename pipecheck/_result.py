@@ -21,6 +21,8 @@ class StepResult:
     loss: torch.Tensor | None
     grads: dict[str, torch.Tensor]
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Every buffer by original FQN (as model.named_buffers() names it) after the step; empty: not reported.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     # Optional. The reference runner: each stage's own share of every gradient, before tied sums.
     stage_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)

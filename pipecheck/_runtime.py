@@ -79,6 +79,7 @@ class RankResult:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> grad
     input_grads: dict[InputGradKey, LeafGrads] = field(default_factory=dict)
+    buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> after the step
     events: list[Event] = field(default_factory=list)
 
 
@@ -266,6 +267,8 @@ class StageExecutor:
         self.sync_tied()
         self.ctx.stage, self.ctx.action = None, None
         self.result.grads = {s: _cpu(g) for s, g in self.result.grads.items()}
+        self.result.buffers = {s: {fqn: b.detach().cpu().clone() for fqn, b in self.pipe.stages[s].named_buffers().items()}
+                               for s in range(self.pipe.num_stages) if self._mine(s)}
         return self.result
 
 

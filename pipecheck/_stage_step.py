@@ -16,7 +16,7 @@ Gradients of a (possibly nested) value are a list aligned with
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,10 +165,12 @@ def add_param_grads(total: dict[str, torch.Tensor], more: dict[str, torch.Tensor
                 owned.add(fqn)
 
 
-def merge_input_grads(per_key: Mapping[InputGradKey, LeafGrads], n_microbatches: int) -> dict[str, torch.Tensor]:
+def merge_input_grads(per_key: Mapping[InputGradKey, LeafGrads], n_microbatches: int,
+                      replicated: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """Gradients of the model's inputs: per micro-batch summed over the consuming stages, last
-    stage first (as backward reaches them), then merged in micro-batch order. Inputs that are
-    not one tensor, or miss a micro-batch's gradient, are left out."""
+    stage first (as backward reaches them), then merged in micro-batch order (summed, for a
+    ``replicated`` input every micro-batch got whole). Inputs that are not one tensor, or miss a
+    micro-batch's gradient, are left out."""
     merged: dict[str, torch.Tensor] = {}
     for name in sorted({name for _, name, _ in per_key}):
         stages = sorted({s for s, other, _ in per_key if other == name}, reverse=True)
@@ -180,5 +182,12 @@ def merge_input_grads(per_key: Mapping[InputGradKey, LeafGrads], n_microbatches:
                     total = add_leaf_grads(total, per_key[(s, name, mb)])
             chunks.append(total[0] if total and len(total) == 1 else None)
         if all(chunk is not None for chunk in chunks):
-            merged[name] = merge_microbatches(chunks)
+            merged[name] = _sum(chunks) if name in replicated else merge_microbatches(chunks)
     return merged
+
+
+def _sum(tensors: Sequence[Any]) -> torch.Tensor:
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        total = total + tensor
+    return total

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from pipecheck._errors import RankError
 from pipecheck._inputs import cast_inputs
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
-from pipecheck._microbatch import split_microbatches
+from pipecheck._microbatch import split_microbatches, unwrap_replicated
 from pipecheck._model_factory import ModelFactory
 from pipecheck._worker import RankContext
 from pipecheck.losses import MicrobatchLoss
@@ -70,6 +70,7 @@ class TorchRankResult:
     losses: list[torch.Tensor] = field(default_factory=list)
     stage_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # first stage's rank: model inputs
+    buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> after the step
     unmapped: list[str] = field(default_factory=list)  # stage parameter names with no original FQN
     failure: RankError | None = None  # this rank failed before communicating
 
@@ -103,13 +104,25 @@ def _hook_cuts(model: nn.Module, cuts: Mapping[str, SplitPoint]) -> None:
             module.register_forward_hook(lambda _m, _a, _o: pipe_split())
 
 
-def _alias_table(model: nn.Module) -> tuple[dict[str, str], dict[int, str]]:
-    """Every parameter name (aliases included) -> canonical FQN; and id -> canonical FQN."""
+def _alias_table(model: nn.Module, buffers: bool = False) -> tuple[dict[str, str], dict[int, str]]:
+    """Every parameter (or buffer) name, aliases included -> canonical FQN; and id -> canonical FQN."""
     by_id: dict[int, str] = {}
     names: dict[str, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names[name] = by_id.setdefault(id(param), name)
+    named = model.named_buffers(remove_duplicate=False) if buffers else model.named_parameters(remove_duplicate=False)
+    for name, tensor in named:
+        names[name] = by_id.setdefault(id(tensor), name)
     return names, by_id
+
+
+def stage_buffers(stage_module: nn.Module, names: Mapping[str, str], by_id: Mapping[int, str]
+                  ) -> dict[str, torch.Tensor]:
+    """A torch stage's buffers after the step, by original FQN (those it cannot map are left out)."""
+    found: dict[str, torch.Tensor] = {}
+    for local, buffer in stage_module.named_buffers(remove_duplicate=False):
+        fqn = names.get(_CALL_SUFFIX.sub("", local)) or by_id.get(id(buffer))
+        if fqn is not None:
+            found[fqn] = buffer.detach().cpu().clone()
+    return found
 
 
 _CALL_SUFFIX = re.compile(r"@\d+")  # torch's name for a module's second call: "shared@1"
@@ -185,15 +198,30 @@ def _torch_target(target: Any, n: int, device: torch.device) -> tuple[Any, bool]
     return torch.arange(n, device=device), True
 
 
-def _schedule(key: str, stages: list[Any], n: int, loss: Callable[..., torch.Tensor]) -> Any:
+def _chunk_specs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """torch's chunk specs for pipecheck's micro-batching: dim 0 for batched tensors, whole for the rest
+    (a ``pc.Replicated`` input, a 0-dim tensor, a non-tensor)."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    def spec(leaf: Any) -> Any:
+        batched = isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+        return TensorChunkSpec(0) if batched else _Replicate()
+
+    return pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)
+
+
+def _schedule(key: str, stages: list[Any], n: int, loss: Callable[..., torch.Tensor],
+              chunk_specs: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
     from torch.distributed import pipelining as tp
     from torch.distributed.pipelining.schedules import ScheduleLoopedBFS
 
+    options: dict[str, Any] = {"n_microbatches": n, "loss_fn": loss, "scale_grads": True, "args_chunk_spec": chunk_specs[0],
+               "kwargs_chunk_spec": chunk_specs[1]}
     if len(stages) == 1 and key != "interleaved":
         single = {"gpipe": tp.ScheduleGPipe, "1f1b": tp.Schedule1F1B}[key]
-        return single(stages[0], n_microbatches=n, loss_fn=loss, scale_grads=True)
+        return single(stages[0], **options)
     multi = {"gpipe": ScheduleLoopedBFS, "interleaved": tp.ScheduleInterleaved1F1B}[key]  # 1f1b: 1 stage/rank
-    return multi(stages, n_microbatches=n, loss_fn=loss, scale_grads=True)
+    return multi(stages, **options)
 
 
 def _report_actions(ctx: RankContext, stage: Any) -> None:
@@ -221,6 +249,7 @@ class _Prepared:
     kwargs: dict[str, Any]
     names: dict[str, str]
     by_id: dict[int, str]
+    buffer_names: tuple[dict[str, str], dict[int, str]]
     n_stages: int
     named_inputs: dict[str, Any]  # the model's inputs by parameter name, as given to torch's step
 
@@ -233,9 +262,12 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     factory = spec.model.on(ctx.device) if isinstance(spec.model, ModelFactory) else spec.model
     model = factory()
     names, by_id = _alias_table(model)
+    buffer_names = _alias_table(model, buffers=True)
     _hook_cuts(model, spec.module_cuts)
     args, kwargs = cast_inputs((tuple(spec.args), dict(spec.kwargs)), None, ctx.device)
     mb_args, mb_kwargs = split_microbatches((args, kwargs), n)[0]
+    chunk_specs = _chunk_specs(args, kwargs)  # Replicated inputs are whole in every chunk
+    args, kwargs = unwrap_replicated((args, kwargs))
     ctx.action = "pipeline() trace"
     with warnings.catch_warnings():  # torch's own pipeline() deep-copies a TreeSpec: its deprecation, not ours
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
@@ -259,10 +291,10 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     torch_target, by_index = _torch_target(target, n, ctx.device)
     loss = _LossOfMicrobatch(spec, target, by_index)
     ctx.action = "schedule"
-    schedule = _schedule(spec.schedule, stages, n, loss)
+    schedule = _schedule(spec.schedule, stages, n, loss, chunk_specs)
     named_inputs = dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
     return _Prepared(stages, schedule, spec.out_spec, torch_target, tuple(args), dict(kwargs), names, by_id,
-                     pipe.num_stages, named_inputs)
+                     buffer_names, pipe.num_stages, named_inputs)
 
 
 def _leaf_paths(out_spec: pytree.TreeSpec) -> list[str]:
@@ -295,6 +327,7 @@ def _step(ctx: RankContext, prep: _Prepared) -> TorchRankResult:
     for stage in prep.stages:
         result.stage_grads[stage.stage_index], unmapped = stage_grads(stage.submod, prep.names, prep.by_id)
         result.unmapped += unmapped
+        result.buffers[stage.stage_index] = stage_buffers(stage.submod, *prep.buffer_names)
     return result
 
 

@@ -154,11 +154,16 @@ def merge_results(pipe: Pipe, results: list[TorchRankResult]) -> StepResult:
     for result in results:
         stage_grads.update(result.stage_grads)
     grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
+    by_stage = {s: held for r in results for s, held in r.buffers.items()}
+    buffers: dict[str, torch.Tensor] = {}
+    for s in sorted(by_stage):  # a buffer several stages hold: the last stage's
+        buffers.update(by_stage[s])
     return StepResult(
         outputs=outputs,
         loss=torch.stack(losses).mean(),
         grads=grads,
         input_grads={name: g for r in results for name, g in r.input_grads.items()},
+        buffers=buffers,
         stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
         replica_grads=replicas,
     )

@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from pipecheck._errors import InputError, SplitError, TraceError
 from pipecheck._inputs import bind_signature
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint, _active_fx_tracer, pipe_split
+from pipecheck._microbatch import unwrap_replicated
 
 SplitSpec = Mapping[str, "SplitPoint | str"]
 
@@ -118,7 +119,7 @@ def _unused_spec(split_spec: dict[str, SplitPoint], called: set[str], tracer: st
 
 
 def trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint]) -> Traced:
-    bound = bind_signature(model, args, kwargs)
+    bound = bind_signature(model, *unwrap_replicated((args, kwargs)))
     sig = bound.signature
     graph_inputs = [name for name, value in bound.arguments.items() if _has_tensor(value)]
     concrete = {
@@ -189,10 +190,10 @@ def _try_resolve(root: nn.Module, target: str) -> Any:
 
 
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint]) -> Traced:
-    bound = bind_signature(model, args, kwargs)
+    dynamic_shapes = _batch_dynamic_shapes(bind_signature(model, args, kwargs))  # Replicated: static
+    args, kwargs = unwrap_replicated((args, kwargs))
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False,
-                                       dynamic_shapes=_batch_dynamic_shapes(bound))
+        exported = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as err:  # export raises many kinds; the message names the construct
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise TraceError(
@@ -228,6 +229,7 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _batch_dim(value: Any) -> Any:
+    """Dim 0 dynamic for a batched tensor; None (static) for the rest, a ``Replicated`` input included."""
     return {0: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 
 
@@ -267,14 +269,61 @@ TRACERS: dict[str, Callable[[nn.Module, tuple[Any, ...], dict[str, Any], dict[st
     "fx": trace_fx,
     "export": trace_export,
 }
+TRACER_NAMES = ("auto", *TRACERS)
 
 
 def check_tracer(tracer: str) -> None:
-    if tracer not in TRACERS:
-        raise SplitError(f"tracer={tracer!r} is not known. Fix: use tracer='fx' (default) or tracer='export'.")
+    if tracer not in TRACER_NAMES:
+        raise SplitError(f"tracer={tracer!r} is not known. Fix: use tracer='auto' (the default: fx, or export "
+                         "where fx cannot trace), tracer='fx' or tracer='export'.")
 
 
 def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint],
           tracer: str) -> Traced:
+    """Trace with ``tracer``; ``"auto"`` tries fx first and export where fx cannot trace.
+
+    Where tracing fails because ``forward`` returns an object no tracer can describe, the error
+    says so (found by one eager call, only then).
+    """
     check_tracer(tracer)
-    return TRACERS[tracer](model, args, kwargs, split_spec)
+    order = ("fx", "export") if tracer == "auto" else (tracer,)
+    failures: list[TraceError] = []
+    for name in order:
+        try:
+            return TRACERS[name](model, args, kwargs, split_spec)
+        except TraceError as err:
+            failures.append(err)
+    _refuse_unsupported_output(model, args, kwargs)
+    if len(failures) == 1:
+        raise failures[0]
+    raise TraceError(
+        f"neither tracer could trace {type(model).__name__} (tracer='auto' tried fx, then export):\n"
+        + "\n".join(f"  {name}: {str(err).splitlines()[0]}" for name, err in zip(order, failures))
+        + "\nFix: make forward traceable by one of them (no data-dependent Python control flow for export; "
+        "no Python logic on tensor values for fx)."
+    )
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _refuse_unsupported_output(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A SplitError naming the class when ``forward`` returns an object torch's pytree does not know."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad():
+            outputs = model(*unwrap_replicated(args), **unwrap_replicated(kwargs))
+    except Exception:
+        return  # the model fails eagerly too: the trace error says more
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+    odd = sorted({type(leaf).__qualname__ for leaf in pytree.tree_leaves(outputs) if not isinstance(leaf, _PLAIN_LEAVES)})
+    if odd:
+        raise SplitError(
+            f"{type(model).__name__}.forward returns an object of class {', '.join(odd)}, which torch.utils._pytree "
+            "does not know, so no tracer can describe the outputs a stage must hand on. Fix: return a tuple, "
+            "dict or NamedTuple of tensors, or register the class: torch.utils._pytree.register_dataclass for "
+            "a dataclass, torch.utils._pytree.register_pytree_node otherwise (flatten to its tensors, unflatten back)."
+        )

@@ -284,7 +284,7 @@ def test_failure_report_text() -> None:
                              loss_fn=lambda out, t: (out * t).sum(), target=target, n_microbatches=2,
                              dtype=torch.float64)
     assert_expected_inline(str(info.value), """\
-pipecheck: runner 'tied_unsynced_and_outputs_reversed' does not match eager (2 of 4 tensors fail; tolerance auto, float64, 2 stages, 2 micro-batches)
+pipecheck: runner 'tied_unsynced_and_outputs_reversed' does not match eager (2 of 4 tensors fail; tolerance auto, float64, 2 stages split by fx, 2 micro-batches)
 
 tensor           stage  shape   max abs   max rel   tolerance                        worst index  failing
 ---------------  -----  ------  --------  --------  -------------------------------  -----------  -------
@@ -452,8 +452,8 @@ def test_report_on_success_has_a_row_for_every_output_the_loss_and_every_paramet
     assert report.row("output['logits']").stages == (2,)
     assert report.ok and not report.failures
     assert report.headline() == (f"pipecheck: runner 'reference' matches eager ({len(names)} tensors; "
-                                 "tolerance auto, float32, 3 stages, 4 micro-batches)")
-    assert set(report.timings) >= {"eager_s", "fp64_s", "runner_s"}
+                                 "tolerance auto, float32, 3 stages split by fx, 4 micro-batches)")
+    assert set(report.timings) >= {"build_s", "split_s", "eager_s", "fp64_s", "runner_s", "compare_s", "total_s"}
 
 
 def test_report_lists_tied_parameters_once_with_every_stage() -> None:

@@ -123,7 +123,7 @@ def test_split_keeps_the_spec_signature() -> None:
     params = inspect.signature(pipecheck.split).parameters
     assert list(params)[:3] == ["model", "args", "kwargs"]
     assert {"split_spec", "policy", "tracer"} <= set(params)
-    assert params["tracer"].default == "fx"
+    assert params["tracer"].default == "auto"
 
 
 def test_step_keeps_the_spec_signature() -> None:

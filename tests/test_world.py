@@ -328,6 +328,7 @@ def test_killed_driver_leaves_no_orphan_ranks(tmp_path: Path, started_from: str)
 
 
 TORCHRUN_SCRIPT = """
+import os
 from pipecheck._errors import RankFailedError
 from pipecheck._world import World
 from pipecheck._world_spawn import TMPDIR_PREFIX, sweep_stale_tmpdirs
@@ -340,7 +341,8 @@ try:
 except RankFailedError as error:
     failed = (error.rank, error.stage)
 ranks = world.run(jobs.describe_rank)
-print(f"rank {ranks[0]['rank']}/{world.world_size}", world.properties.devices, sums, failed, flush=True)
+line = f"rank {ranks[0]['rank']}/{world.world_size} {world.properties.devices} {sums} {failed}\\n"
+os.write(1, line.encode())  # one write: the two ranks share stdout, print() writes in pieces
 world.close()
 """
 

@@ -58,6 +58,7 @@ FIRST_GRAD = {
     "dict_outputs": "grad blocks.0.fc.weight",
     "nested_spec": "grad encoder.layers.0.fc.weight",
     "encoder_decoder": "grad encoder.layers.0.fc.weight",
+    "running_stats": "grad fc0.weight",
 }
 # The first output leaf of every zoo model.
 OUTPUT = {name: "output['logits']" if name == "dict_outputs" else "output" for name in ALL}
@@ -130,6 +131,9 @@ class BaseRunner:
         """Micro-batch outputs merged into the full batch, in micro-batch order."""
         return merge_microbatches(outputs)
 
+    def before_forward(self, stage: Stage, mb: int) -> None:
+        """Anything done to a stage's state before its forward of micro-batch ``mb`` (nothing)."""
+
     # --- the step itself -------------------------------------------------------------------------
 
     def __call__(self, job: Job) -> StepResult:
@@ -142,6 +146,7 @@ class BaseRunner:
         forwards: dict[tuple[int, int], StageForward] = {}
         for stage in stages:
             for mb in mbs:
+                self.before_forward(stage, mb)
                 values = [self._receive(job, src, stage.index, mb, n, inputs, produced) for src in stage.inputs]
                 fwd = stage_forward(stage, values)
                 forwards[(stage.index, mb)] = fwd
@@ -155,6 +160,7 @@ class BaseRunner:
             loss=torch.stack([losses[mb].detach() for mb in mbs]).mean(),
             grads=self.full_grads(pipe, per_stage),
             input_grads=input_grads,
+            buffers=pipe.buffers_after_step(),
             stage_grads=per_stage,
         )
 
@@ -349,6 +355,31 @@ class BufferNotCarried(BaseRunner):
         return list(pipe.stages)
 
 
+class BufferUpdateNotCarried(BaseRunner):
+    """Every micro-batch's forward starts from the buffers as they were before the step (each
+    micro-batch run on a fresh copy of the stage's state): only the last one's update survives."""
+
+    name = "buffer_update_not_carried"
+    bug = "buffers a forward updates (BatchNorm statistics, a running average) reset for every micro-batch"
+    applies_to = ("running_stats",)
+    hint = "holds micro-batch 3's update alone"
+
+    def __init__(self) -> None:
+        self.initial: dict[int, dict[str, torch.Tensor]] = {}
+
+    def expect(self, model: str) -> tuple[str, ...]:
+        return ("buffer bn.running_mean", "buffer bn.running_var", "buffer bn.num_batches_tracked",
+                "buffer mean_seen")
+
+    def before_forward(self, stage: Stage, mb: int) -> None:
+        held = dict(stage.module.named_buffers())
+        if mb == 0:
+            self.initial[stage.index] = {local: b.detach().clone() for local, b in held.items()}
+        for local, value in self.initial[stage.index].items():  # a fresh copy: earlier ones stay saved
+            owner, _, attr = local.rpartition(".")
+            stage.module.get_submodule(owner)._buffers[attr] = value.clone()
+
+
 class GradOverwritten(BaseRunner):
     name = "grad_overwritten"
     bug = "a stage's parameter gradients overwritten by each micro-batch instead of accumulated"
@@ -393,6 +424,7 @@ class AliasedRecvBuffer(BaseRunner):
         "dict_outputs": "grad blocks.1.fc.weight",
         "nested_spec": "grad encoder.layers.1.fc.weight",
         "encoder_decoder": "grad decoder.0.self_fc.weight",
+        "running_stats": "grad fc1.weight",
     }
 
     def __init__(self) -> None:
@@ -430,7 +462,8 @@ class Bf16Boundary(BaseRunner):
 
 MUTANT_TYPES: tuple[type[BaseRunner], ...] = (
     TiedOneStage, TiedSummedTwice, SkipGradDropped, SkipWrongMicrobatch, MergeReversed, GradNotScaled,
-    GradScaledTwice, KwargDefaultLater, BufferNotCarried, GradOverwritten, LastMicrobatchDropped,
+    GradScaledTwice, KwargDefaultLater, BufferNotCarried, BufferUpdateNotCarried, GradOverwritten,
+    LastMicrobatchDropped,
     AliasedRecvBuffer, Bf16Boundary,
 )
 MUTANTS: dict[str, BaseRunner] = {t.name: t() for t in MUTANT_TYPES}
