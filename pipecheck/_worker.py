@@ -54,9 +54,10 @@ class WorkerConfig:
     backend: str
     store_path: str
     stack_path: str
-    parent_pid: int
-    kill_with_parent: bool  # PR_SET_PDEATHSIG; only safe when started from the main thread
+    driver_pid: int  # the World's process: the rank exits when it is gone
+    kill_with_parent: bool  # PR_SET_PDEATHSIG; only safe when the starting thread lives as long as the process
     threads: int  # intra-op threads of this rank (torch.set_num_threads)
+    environ: dict[str, str]  # the driver's environment when the rank started (a forkserver has an older one)
 
 
 @dataclass(frozen=True)
@@ -189,26 +190,40 @@ class RankContext:
 # --- the worker process -----------------------------------------------------
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def _orphaned(parent_pid: int, driver_pid: int) -> bool:
+    """The process that started this rank (the driver, or its forkserver) or the driver is gone."""
+    if os.getppid() != parent_pid:
+        return True
+    try:
+        os.kill(driver_pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # alive, and not ours to signal
+    return False
+
+
+def _exit_when_orphaned(parent_pid: int, driver_pid: int) -> None:
     # Runs in a daemon thread: a worker must never outlive its driver, even
     # while its main thread is stuck in a task or a collective.
     while True:
-        if os.getppid() != parent_pid:
+        if _orphaned(parent_pid, driver_pid):
             os._exit(1)
         time.sleep(_PARENT_POLL_S)
 
 
 def _tie_lifetime_to_parent(config: WorkerConfig) -> None:
+    parent_pid = os.getppid()  # the driver (spawn) or the driver's forkserver
     if config.kill_with_parent and sys.platform.startswith("linux"):
         try:
             pr_set_pdeathsig = 1
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
         except (OSError, AttributeError):
             pass  # the watchdog thread below still covers it
-    if os.getppid() != config.parent_pid:
+    if _orphaned(parent_pid, config.driver_pid):
         os._exit(1)  # the driver died before we could arm the checks
     watchdog = threading.Thread(
-        target=_exit_when_orphaned, args=(config.parent_pid,), name="pipecheck-parent-watch"
+        target=_exit_when_orphaned, args=(parent_pid, config.driver_pid), name="pipecheck-parent-watch"
     )
     watchdog.daemon = True
     watchdog.start()
@@ -285,6 +300,8 @@ def worker_main(config: WorkerConfig, conn: Connection, board: StageBoard) -> No
     """Entry point of a spawned rank: join the world, then run tasks until told to stop."""
     # Ctrl-C reaches the whole process group; only the driver should react.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.clear()  # as if spawned now: a forkserver started with the environment of an earlier moment
+    os.environ.update(config.environ)
     _tie_lifetime_to_parent(config)
     stack_file = open(config.stack_path, "a")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=stack_file, all_threads=True)

@@ -18,6 +18,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -56,6 +57,23 @@ SHUTDOWN_GRACE_S = 3.0  # close(): time to leave the process group before SIGTER
 KILL_GRACE_S = 1.0  # time between SIGTERM and SIGKILL
 RESTART_NOTE = "The world's processes were stopped; the next run() starts fresh ones."
 TMPDIR_PREFIX = "pipecheck-world-"  # then the driver's pid: pipecheck-world-1234-abcd
+
+
+def process_context() -> Any:  # a SpawnContext or ForkServerContext
+    """How ranks start: from a forkserver that imported torch once (a rank then starts in a fraction
+    of a second, and a World restarts after a fault as fast), or spawned afresh.
+
+    forkserver on Linux unless ``PIPECHECK_START_METHOD=spawn``; spawn elsewhere. Never fork: the
+    driver may hold threads, CUDA or gloo state that a forked child must not inherit.
+    """
+    method = os.environ.get("PIPECHECK_START_METHOD") or ("forkserver" if sys.platform.startswith("linux") else "spawn")
+    if method not in ("forkserver", "spawn"):
+        raise WorldError(f"PIPECHECK_START_METHOD={method!r} is not 'forkserver' or 'spawn'. Fix: unset it, "
+                         "or pick one of those.")
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(["pipecheck._worker"])  # torch, imported once in the server
+    return context
 
 
 def sweep_stale_tmpdirs() -> None:
@@ -174,14 +192,15 @@ class SpawnedRanks:
         return os.path.join(self.tmpdir, f"rank{rank}.stack")
 
     def start(self) -> None:
-        spawn = multiprocessing.get_context("spawn")
+        spawn = process_context()
         n = self.properties.world_size
         sweep_stale_tmpdirs()
         self.tmpdir = tempfile.mkdtemp(prefix=f"{TMPDIR_PREFIX}{os.getpid()}-")
         self.board = StageBoard(n, spawn)
-        # PR_SET_PDEATHSIG fires when the *thread* that spawned the child exits,
-        # so it is only armed when that thread is the main thread.
+        # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: a forkserver's
+        # only thread lives as long as the server; a spawning thread must be the main thread.
         in_main_thread = threading.current_thread() is threading.main_thread()
+        kill_with_parent = in_main_thread or spawn.get_start_method() == "forkserver"
         try:
             for rank in range(n):
                 config = WorkerConfig(
@@ -192,9 +211,10 @@ class SpawnedRanks:
                     backend=self.properties.backend,
                     store_path=os.path.join(self.tmpdir, "filestore"),
                     stack_path=self.stack_path(rank),
-                    parent_pid=os.getpid(),
-                    kill_with_parent=in_main_thread,
+                    driver_pid=os.getpid(),
+                    kill_with_parent=kill_with_parent,
                     threads=self.properties.threads_per_rank,
+                    environ=dict(os.environ),
                 )
                 driver_end, worker_end = spawn.Pipe()
                 proc = spawn.Process(
