@@ -24,10 +24,12 @@ import torch.nn as nn
 
 from pipecheck._compare import compare_all
 from pipecheck._eager import (
+    RngWatch,
     buffers_kept,
     check_deterministic,
     check_finite,
     eager_step,
+    in_float64,
     result_dtype,
 )
 from pipecheck._errors import EngineError, EquivalenceError, InputError, PipecheckError
@@ -35,11 +37,12 @@ from pipecheck._inputs import cast_inputs, prepare_inputs
 from pipecheck._job import Job, Runner
 from pipecheck._model_factory import ModelFactory, seeded
 from pipecheck._numerics import ToleranceLike, check_tolerance
-from pipecheck._pipe import split
+from pipecheck._pipe import split_module
 from pipecheck._report import Report
 from pipecheck._result import StepResult
 from pipecheck._runners import BUILTIN, run_reference
-from pipecheck._trace import SplitSpec, check_tracer
+from pipecheck._trace import check_tracer
+from pipecheck._traced import SplitSpec
 from pipecheck.losses import LossFn, projection_loss
 from pipecheck.policies import Policy
 
@@ -105,19 +108,21 @@ def assert_equivalent(
     with clock("build_s"):
         built = factory()
         inputs = prepare_inputs(built, args, kwargs, target, dtype=dtype, device=device)
-    with clock("split_s"):
-        pipe = split(built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
+    with clock("split_s"):  # the stages share the built model's parameters: no second copy
+        pipe = split_module(built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
     initial_buffers = {name: b.detach().clone() for name, b in built.named_buffers()}
-    with clock("eager_s"), seeded(seed), buffers_kept(built):  # the user's RNG streams are left as they were
+    with clock("eager_s"), seeded(seed), buffers_kept(built), RngWatch() as rng:  # the user's RNG: untouched
         eager, target_used = eager_step(built, inputs, loss_fn, n_microbatches, check_grads)
     inputs = inputs.unspoiled()
-    check_deterministic(built, inputs, n_microbatches, seed)
-    with clock("fp64_s"):
+    if rng.used:  # a model that draws no random numbers needs no probe
+        with clock("probe_s"):
+            check_deterministic(built, inputs, n_microbatches, seed)
+    with clock("fp64_s"), buffers_kept(built), in_float64(built) as model64:  # built as it was, after
         args64, kwargs64, _ = inputs.unspoiled().to64()
-        ref64, _ = eager_step(built.to(torch.float64), inputs, loss_fn or projection_loss, n_microbatches,
-                              check_grads, args=args64, kwargs=kwargs64,
+        ref64, _ = eager_step(model64, inputs, loss_fn or projection_loss, n_microbatches, check_grads,
+                              args=args64, kwargs=kwargs64,
                               target=cast_inputs(target_used, torch.float64, None, copy=True))
-    del built
+    del built, args64, kwargs64
     check_finite(eager)
 
     inputs = inputs.unspoiled()

@@ -66,15 +66,17 @@ def _cell(run: Callable[[], Any]) -> tuple[str, bool]:
 def cmd_zoo(args: argparse.Namespace) -> int:
     import pipecheck as pc
     from pipecheck._report import format_plain_table
-    from pipecheck.fixtures import ZOO
+    from pipecheck.fixtures import entries
 
     runners = args.runners.split(",") if args.runners else available_runners()
     rows = []
     failed_ours = 0
     started = time.perf_counter()
-    for entry in ZOO:
-        if args.models and entry.name not in args.models.split(","):
-            continue
+    try:
+        zoo = entries(args.models.split(",") if args.models else ())
+    except KeyError as err:
+        raise SystemExit(f"error: {err.args[0]}") from None
+    for entry in zoo:
         style = entry.cut_styles[0]
         call_args, call_kwargs = entry.inputs()
         cells = [entry.name, str(entry.num_stages), style]
@@ -164,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     zoo = sub.add_parser("zoo", help="run every zoo model through every runner and print a table")
     zoo.add_argument("--runners", help=f"comma-separated, default: all available ({', '.join(available_runners())})")
-    zoo.add_argument("--models", help="comma-separated zoo model names (default: all)")
+    zoo.add_argument("--models", help="comma-separated zoo model names or tags, e.g. hf (default: all; the "
+                     "HuggingFace models when transformers is installed)")
     zoo.add_argument("--markdown", action="store_true", help="print a markdown table")
     zoo.add_argument("--write-markdown", metavar="FILE",
                      help=f"also write the table (markdown) between {BEGIN} and {END} in FILE, e.g. README.md")

@@ -95,9 +95,55 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
+@contextmanager
+def in_float64(model: nn.Module) -> Iterator[nn.Module]:
+    """The model itself in float64 for the block, then exactly as it was: every parameter back to its
+    own dtype (float64 holds every float32/bfloat16/float16 value exactly), every buffer the very
+    object it was. Stages that share the model's parameters see the same; no second copy is made."""
+    dtypes = [(p, p.dtype) for p in model.parameters()]
+    buffers = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()]
+    try:
+        yield model.to(torch.float64)
+    finally:
+        with torch.no_grad():
+            for param, dtype in dtypes:
+                if param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
+
+
+class RngWatch:
+    """Whether a block drew from the global RNGs (CPU, and every initialised CUDA device).
+
+        with RngWatch() as watch:
+            eager_step(...)
+        watch.used          # False: no random op ran, so the run is deterministic without a probe
+    """
+
+    def __enter__(self) -> RngWatch:
+        self.before = _rng_states()
+        self.used = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = _rng_states()
+        self.used = len(after) != len(self.before) or not all(torch.equal(a, b) for a, b in zip(after, self.before))
+
+
+def _rng_states() -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
 def check_deterministic(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> None:
     """Refuse a model whose outputs depend on the RNG: no pipeline can match it, and its spread
-    would widen the auto tolerance until a wrong answer passes. Leaves the model's buffers as found."""
+    would widen the auto tolerance until a wrong answer passes. Leaves the model's buffers as found.
+
+    Two forwards of the first micro-batch under different seeds; needed only when the eager run
+    drew from the RNG at all (:class:`RngWatch`)."""
     runs = []
     for offset in (1, 2):
         inputs = inputs.unspoiled()  # a forward that wrote into its inputs: the second run gets a copy

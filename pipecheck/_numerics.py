@@ -13,6 +13,7 @@ run like ``torch.testing``; ``"exact"`` demands bitwise equality with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,39 +85,56 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
         return _failing_row(name, stages, shape, f"runner gave {type(test).__name__}, not a tensor", tol_text)
     if tuple(test.shape) != shape:
         return _failing_row(name, stages, shape, f"runner's shape {tuple(test.shape)} != eager's {shape}", tol_text)
-    test64 = test.detach().to("cpu", torch.float64)
-    eager64 = eager.detach().to("cpu", torch.float64)
+    device = eager.device  # compared where eager's result lives: no copy to the host per tensor
+    test64 = test.detach().to(device=device, dtype=torch.float64)
+    eager64 = eager.detach().to(dtype=torch.float64)
     if tolerance == "exact":
-        failing = ~((test.detach().cpu() == eager.detach().cpu()) | (test64.isnan() & eager64.isnan()))
-        return _row(name, stages, shape, test64, eager64, failing, "exact")
+        failing = ~((test.detach().to(device) == eager.detach()) | (test64.isnan() & eager64.isnan()))
+        return _row(name, stages, shape, test64, eager64, failing, lambda _: "exact")
     if isinstance(tolerance, Tolerance):
-        bound = tolerance.atol + tolerance.rtol * eager64.abs()
-        return _row(name, stages, shape, test64, eager64, ~((test64 - eager64).abs() <= bound), tol_text)
-    truth = ref64.detach().to("cpu", torch.float64)
+        failing = ~(_same(test64, eager64) | _within(test64, eager64, tolerance.atol, tolerance.rtol))
+        return _row(name, stages, shape, test64, eager64, failing, lambda _: tol_text)
+    truth = ref64.detach().to(device=device, dtype=torch.float64)
     eps = torch.finfo(eager.dtype).eps if eager.is_floating_point() else 0.0
-    scale = truth.abs().max().item() if truth.numel() else 0.0
-    eager_err = (eager64 - truth).abs().max().item() if truth.numel() else 0.0
-    atol = AUTO_MULTIPLE * eager_err + AUTO_FLOOR_EPS * eps * scale
     rtol = AUTO_FLOOR_EPS * eps
-    failing = ~((test64 - truth).abs() <= atol + rtol * truth.abs())
-    return _row(name, stages, shape, test64, truth, failing, f"auto: atol {atol:.1e} rtol {rtol:.1e}")
+    finite = torch.isfinite(truth) & torch.isfinite(eager64)  # a -inf mask entry is no measure of error
+    if finite.any():  # a tensor: read back with the row's other numbers, in one transfer
+        eager_err = torch.where(finite, (eager64 - truth).abs(), 0.0).max()
+        atol = AUTO_MULTIPLE * eager_err + AUTO_FLOOR_EPS * eps * torch.where(finite, truth.abs(), 0.0).max()
+    else:
+        atol = torch.zeros((), dtype=torch.float64, device=device)
+    failing = ~(_same(test64, truth) | _within(test64, truth, atol, rtol))
+    return _row(name, stages, shape, test64, truth, failing, lambda a: f"auto: atol {a:.1e} rtol {rtol:.1e}", atol)
 
 
-def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], test: torch.Tensor,
-         ref: torch.Tensor, failing: torch.Tensor, tol: str) -> Row:
-    diff = (test - ref).abs()
-    diff = torch.where(test.isnan() & ref.isnan(), torch.zeros_like(diff), diff)
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where two tensors hold the very same value: equal numbers and infinities, or both NaN."""
+    return (a == b) | (a.isnan() & b.isnan())
+
+
+def _within(test: torch.Tensor, ref: torch.Tensor, atol: float | torch.Tensor, rtol: float) -> torch.Tensor:
+    """``|test - ref| <= atol + rtol * |ref|`` where ``ref`` is finite; a non-finite ``ref`` is matched
+    only by the same value (see :func:`_same`), never by an infinite bound."""
+    return torch.isfinite(ref) & ((test - ref).abs() <= atol + rtol * ref.abs())
+
+
+def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], test: torch.Tensor, ref: torch.Tensor,
+         failing: torch.Tensor, tol: Callable[[float], str], atol: torch.Tensor | None = None) -> Row:
+    """The row's numbers, computed where the tensors are and read back in one transfer."""
+    if not test.numel():
+        return Row(name, tuple(stages), shape, True, 0.0, 0.0, tol(0.0), None, 0, 0)
+    diff = torch.where(_same(test, ref), 0.0, (test - ref).abs())
     diff = torch.where(diff.isnan(), torch.full_like(diff, float("inf")), diff)
-    zero_ref = ref == 0
-    rel = torch.where(zero_ref, torch.where(diff == 0, 0.0, float("inf")), diff / torch.where(zero_ref, 1.0, ref.abs()))
-    n_failing = int(failing.sum())
-    max_abs = diff.max().item() if diff.numel() else 0.0
-    max_rel = rel.max().item() if rel.numel() else 0.0
-    worst = None
-    if diff.numel():
-        flat = int(torch.argmax(torch.where(failing, diff, torch.full_like(diff, -1.0)) if n_failing else diff))
-        worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)) if diff.dim() else ()
-    return Row(name, tuple(stages), shape, n_failing == 0, max_abs, max_rel, tol, worst, n_failing, diff.numel())
+    plain = torch.isfinite(ref) & (ref != 0)  # where a relative error means something
+    rel = torch.where(plain, diff / torch.where(plain, ref.abs(), 1.0), torch.where(diff == 0, 0.0, float("inf")))
+    n_failing = failing.sum()
+    worst = torch.argmax(torch.where(failing, diff, torch.full_like(diff, -1.0))) if failing.any() else torch.argmax(diff)
+    numbers = torch.stack([diff.max(), rel.max(), n_failing.to(torch.float64), worst.to(torch.float64),
+                           atol if atol is not None else torch.zeros((), dtype=torch.float64, device=diff.device)])
+    max_abs, max_rel, failing_count, flat, atol_value = numbers.tolist()
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), diff.shape)) if diff.dim() else ()
+    return Row(name, tuple(stages), shape, failing_count == 0, max_abs, max_rel, tol(atol_value), index,
+               int(failing_count), diff.numel())
 
 
 def nonfinite(value: torch.Tensor) -> bool:

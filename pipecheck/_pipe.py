@@ -13,8 +13,9 @@ is deep-copied first, so the user's module is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,8 @@ from pipecheck._errors import SplitError
 from pipecheck._inputs import as_args
 from pipecheck._markers import PIPE_SPLIT_OP, is_marker
 from pipecheck._model_factory import ModelLike, build_module
-from pipecheck._trace import SplitSpec, Traced, check_tracer, normalize_split_spec, trace
+from pipecheck._trace import check_tracer, trace
+from pipecheck._traced import SplitSpec, Traced, normalize_split_spec
 from pipecheck.policies import Policy, Unit, validate_cuts
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -140,6 +142,17 @@ class Pipe:
     def buffer_stages(self, fqn: str) -> tuple[int, ...]:
         """The stages holding buffer ``fqn``."""
         return tuple(stage.index for stage in self.stages if fqn in stage.buffers)
+
+    @contextlib.contextmanager
+    def buffers_restored(self) -> Iterator[Pipe]:
+        """This pipe for a block whose runs may update its buffers; their values put back after."""
+        saved = [(b, b.detach().clone()) for stage in self.stages for b in stage.module.buffers()]
+        try:
+            yield self
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
 
     def buffers_after_step(self) -> dict[str, torch.Tensor]:
         """Every stage-held buffer by canonical FQN, copied as it is now (after a step ran): where
@@ -334,16 +347,22 @@ def split(model: ModelLike, args: Sequence[Any] | Any, kwargs: Mapping[str, Any]
     An nn.Module is deep-copied, so stage modules never share parameters with
     ``model``; a factory's fresh module is used as built.
     """
+    check_tracer(tracer)
+    built, owned = build_module(model)
+    return split_module(built if owned else copy.deepcopy(built), args, kwargs, split_spec=split_spec,
+                        policy=policy, tracer=tracer)
+
+
+def split_module(model: nn.Module, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
+                 split_spec: SplitSpec | None = None, policy: Policy | None = None, tracer: str = "auto") -> Pipe:
+    """:func:`split` of a module pipecheck owns, as it is: the stages share its parameters and buffers."""
     if split_spec is not None and policy is not None:
         raise SplitError("both split_spec and policy were given; they disagree on where to cut. "
                          "Fix: pass one of them.")
     check_tracer(tracer)
-    args = as_args(args)
-    built, owned = build_module(model)
-    copied = built if owned else copy.deepcopy(built)
-    spec = normalize_split_spec(copied, split_spec or {})
-    traced = trace(copied, args, dict(kwargs or {}), spec, tracer)
+    spec = normalize_split_spec(model, split_spec or {})
+    traced = trace(model, as_args(args), dict(kwargs or {}), spec, tracer)
     if policy is not None:
-        canonical = {id(p): name for name, p in copied.named_parameters()}
+        canonical = {id(p): name for name, p in model.named_parameters()}
         _apply_policy(traced.graph, policy, canonical, traced.attrs)
-    return partition(traced, copied)
+    return partition(traced, model)

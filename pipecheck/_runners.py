@@ -10,6 +10,7 @@ process), "distributed" (pipecheck's runtime on a World), "torch"
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -25,9 +26,11 @@ BUILTIN = ("reference", "distributed", "torch")
 
 
 def run_reference(job: Job) -> StepResult:
-    """pipecheck's single-process reference: DetachExecutor on the job's split."""
-    return DetachExecutor(job.split()).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
-                                            n_microbatches=job.n_microbatches)
+    """pipecheck's single-process reference: DetachExecutor on the job's split (the check's own, its
+    buffers put back after: a step changes only buffers, never parameters)."""
+    with (job.pipe.buffers_restored() if job.pipe is not None else contextlib.nullcontext(job.split())) as pipe:
+        return DetachExecutor(pipe).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
+                                         n_microbatches=job.n_microbatches)
 
 
 def ranks_needed(n_stages: int, stages_per_rank: int) -> int:

@@ -88,8 +88,23 @@ def dependencies(pipe: Pipe) -> dict[int, set[int]]:
     return {s.index: {src.stage for src in s.inputs if src.stage is not None} for s in pipe.stages}
 
 
-def _cpu(value: Any) -> Any:
-    return pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
+def _detached(value: Any) -> Any:
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+
+
+def to_host(value: Any) -> Any:
+    """Every tensor in ``value`` on the host, in one go: from a GPU each is copied into pinned memory
+    without blocking, and the copies are waited for once at the end (no sync per tensor)."""
+    leaves, spec = pytree.tree_flatten(value)
+    on_gpu = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_cuda]
+    copies: dict[int, torch.Tensor] = {}
+    for leaf in on_gpu:
+        host = torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=True)
+        copies[id(leaf)] = host.copy_(leaf.detach(), non_blocking=True)
+    if on_gpu:
+        torch.cuda.synchronize(on_gpu[0].device)
+    moved = [copies.get(id(leaf), leaf.detach().cpu() if isinstance(leaf, torch.Tensor) else leaf) for leaf in leaves]
+    return pytree.tree_unflatten(moved, spec)
 
 
 class StageExecutor:
@@ -186,8 +201,8 @@ class StageExecutor:
 
     def _loss(self, fwd: StageForward, mb: int) -> None:
         self.loss_values[mb] = self.loss_of(mb, pytree.tree_unflatten(list(fwd.outputs), self.pipe.out_spec))
-        self.result.outputs[mb] = _cpu(list(fwd.outputs))
-        self.result.losses[mb] = self.loss_values[mb].detach().cpu()
+        self.result.outputs[mb] = _detached(list(fwd.outputs))  # to the host once, after the step
+        self.result.losses[mb] = self.loss_values[mb].detach()
 
     def backward(self, s: int, mb: int, posted: dict[Channel, Posted]) -> None:
         stage = self.pipe.stages[s]
@@ -214,7 +229,7 @@ class StageExecutor:
         sent: dict[tuple[int, str], tuple[Any, LeafGrads]] = {}
         for src, value, grads in zip(stage.inputs, fwd.inputs, in_grads):
             if src.stage is None:
-                self.result.input_grads[(s, src.name, mb)] = _cpu(grads)
+                self.result.input_grads[(s, src.name, mb)] = _detached(grads)
             elif self._mine(src.stage):
                 self.local_grads[(src.stage, src.name, mb, s)] = grads
             else:
@@ -246,7 +261,12 @@ class StageExecutor:
                     self.result.grads.setdefault(s, {})[group.fqn] = local
 
     def run(self) -> RankResult:
-        """One step: this rank's actions, then the tied-gradient all-reduce."""
+        """One step, its results on the host."""
+        self.step()
+        return self.collect()
+
+    def step(self) -> None:
+        """One step: this rank's actions, then the tied-gradient all-reduce; results stay on the device."""
         self._reset()
         actions = self.schedule.actions[self.rank]
         posted: dict[int, dict[Channel, Posted]] = {}
@@ -265,11 +285,17 @@ class StageExecutor:
         self.links.wait_sends()
         self.ctx.action = "tied all-reduce"
         self.sync_tied()
-        self.ctx.stage, self.ctx.action = None, None
-        self.result.grads = {s: _cpu(g) for s, g in self.result.grads.items()}
-        self.result.buffers = {s: {fqn: b.detach().cpu().clone() for fqn, b in self.pipe.stages[s].named_buffers().items()}
+        self.result.buffers = {s: {fqn: b.detach().clone() for fqn, b in self.pipe.stages[s].named_buffers().items()}
                                for s in range(self.pipe.num_stages) if self._mine(s)}
-        return self.result
+
+    def collect(self) -> RankResult:
+        """The step's results, moved to the host in one transfer."""
+        self.ctx.action = "results to host"
+        result = self.result
+        result.outputs, result.losses, result.grads, result.input_grads, result.buffers = to_host(
+            (result.outputs, result.losses, result.grads, result.input_grads, result.buffers))
+        self.ctx.stage, self.ctx.action = None, None
+        return result
 
 
 def _parameter(stage: Stage, fqn: str) -> torch.nn.Parameter:

@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._autograd_functions import functions_as_calls, functions_in_export
 from pipecheck._errors import RankError
 from pipecheck._inputs import cast_inputs
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
@@ -75,11 +76,16 @@ class TorchRankResult:
     failure: RankError | None = None  # this rank failed before communicating
 
 
-def _translate_markers(keep: bool) -> Callable[[fx.GraphModule], fx.GraphModule]:
-    """A torch ``split_policy``: pipecheck's marker op -> torch's (or dropped, for a policy)."""
+def _translate_markers(keep: bool, traced: list[fx.GraphModule] | None = None
+                       ) -> Callable[[fx.GraphModule], fx.GraphModule]:
+    """A torch ``split_policy``: pipecheck's marker op -> torch's (or dropped, for a policy); a kept
+    autograd.Function as one call (torch's pipeline() refuses export's flat_apply constants)."""
     from torch.distributed.pipelining._IR import aten_pipe_split_alias
 
     def policy(gm: fx.GraphModule) -> fx.GraphModule:
+        functions_as_calls(gm)
+        if traced is not None:
+            traced.append(gm)
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and node.target is PIPE_SPLIT_OP:
                 if keep:
@@ -269,9 +275,13 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     chunk_specs = _chunk_specs(args, kwargs)  # Replicated inputs are whole in every chunk
     args, kwargs = unwrap_replicated((args, kwargs))
     ctx.action = "pipeline() trace"
+    traced: list[fx.GraphModule] = []
     with warnings.catch_warnings():  # torch's own pipeline() deep-copies a TreeSpec: its deprecation, not ours
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        pipe = pipeline(model, tuple(mb_args), dict(mb_kwargs), split_policy=_translate_markers(spec.keep_markers))
+        with functions_in_export() as functions:  # pipeline() exports: keep custom Functions' backward
+            pipe = pipeline(model, tuple(mb_args), dict(mb_kwargs),
+                            split_policy=_translate_markers(spec.keep_markers, traced))
+    functions.refuse_lost(model, traced[0].graph)
     if pipe.num_stages != spec.n_stages:
         raise TorchStepError(f"torch's pipeline() cut the model into {pipe.num_stages} stages where pipecheck "
                              f"cut {spec.n_stages}")

@@ -60,7 +60,7 @@ from pipecheck._pipe import COMPUTE_OPS, Pipe
 from pipecheck._result import StepResult
 from pipecheck._runners import merge_stage_grads, ranks_needed, world_for
 from pipecheck._torch_rank import TorchRankResult, TorchStepError, TorchStepSpec, torch_rank_step
-from pipecheck._trace import normalize_split_spec
+from pipecheck._traced import normalize_split_spec
 from pipecheck.schedules import make_schedule
 
 ENGINE = "torch.distributed.pipelining"
@@ -132,6 +132,13 @@ def run_torch(job: Job) -> StepResult:
     pipe = job.structure()
     spec = plan_torch_step(job, pipe)
     world = world_for(job, ranks_needed(pipe.num_stages, job.stages_per_rank), "runner='torch'")
+    if world.properties.gpus_shared:
+        raise EngineError(
+            f"runner='torch' cannot run on {world!r}: its {world.world_size} ranks share "
+            f"{len(set(world.properties.devices))} GPU(s) and talk through gloo, and {ENGINE} sends CUDA "
+            "tensors straight to the process group, which gloo cannot read (every rank aborts). Fix: one GPU "
+            "per rank (NCCL), device='cpu', or runner='distributed' (pipecheck's runtime stages GPU tensors "
+            "through host memory).", engine=ENGINE)
     try:
         results = world.run(torch_rank_step, spec, timeout=job.timeout)
     except WorldError as err:
@@ -174,8 +181,9 @@ def torch_message(error: RankError) -> tuple[str, str | None]:
     line, and where torch wrapped it ("[Stage 0] failed to run forward") as context."""
     if error.exc_type == _OWN_ERROR:
         return _first_line(error.message), None
-    if error.causes:
-        cause_type, cause_message = error.causes[-1]
+    telling = [(kind, message) for kind, message in error.causes if _first_line(message)]
+    if telling:  # the innermost cause that says something (a bare StopIteration deep inside fx says nothing)
+        cause_type, cause_message = telling[-1]
         return _one_line(cause_type, cause_message), _first_line(error.message).rstrip(":") or error.exc_type
     return _one_line(error.exc_type, error.message), None
 

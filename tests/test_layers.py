@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pipecheck"
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("_errors", "_result"),
-    "split": ("_markers", "_inputs", "_model_factory", "_microbatch", "losses", "policies", "_trace", "_pipe"),
+    "split": ("_markers", "_inputs", "_model_factory", "_microbatch", "losses", "policies", "_traced",
+              "_autograd_functions", "_trace_fx", "_trace_export", "_trace", "_pipe"),
     "world": ("_worker", "_world_spawn", "_world"),
     "runtime": ("_stage_step", "_reference", "_schedule_sim", "schedules", "_timeline", "_comm", "_runtime",
                 "_torch_rank"),

@@ -13,7 +13,7 @@ import pipecheck
 SPEC_NAMES = [
     "pipe_split", "SplitPoint", "split", "Pipe", "DetachExecutor", "StepResult", "assert_equivalent",
     "EquivalenceError", "Report", "Tolerance", "policies", "Job", "Runner", "TiedGroup", "Edge",
-    "PipecheckError",
+    "PipecheckError", "Replicated",
 ]
 SPEC_POLICIES = ["balanced_params", "balanced_nodes", "param_bytes_buckets"]
 COMING_FROM_OTHERS = ["World", "run_pipeline", "strategies"]  # skipped while their modules do not import

@@ -42,18 +42,18 @@ def test_zoo_passes_on_every_schedule(pipecheck_world, entry, style, schedule, p
     assert report.ok and report.num_stages == entry.num_stages
 
 
-def _reference(entry, style, n_mb):
-    """The reference step with one intra-op thread, as each rank runs (thread count changes
-    the reduction order of CPU kernels, so it must match for bitwise parity)."""
+def _reference(entry, style, n_mb, threads):
+    """The reference step with the ranks' intra-op thread count (it changes the reduction order of
+    CPU kernels, so it must match for bitwise parity: the World's ``threads_per_rank``)."""
     args, kwargs = entry.inputs()
     pipe = pc.split(pc.ModelFactory(entry.factory(style))(), args, kwargs, **entry.cut(style))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         return pc.DetachExecutor(pipe).step(args, kwargs, loss_fn=entry.loss_fn, target=entry.target(),
                                             n_microbatches=n_mb)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("name", ["long_skip", "tiny_gpt", "encoder_decoder", "dict_outputs", "kwarg_last"])
@@ -62,9 +62,10 @@ def test_distributed_equals_reference_bitwise_in_fp32(pipecheck_world, name, sch
     """Same stage code, same summation order (tied sums have two replicas: a + b == b + a)."""
     entry = get(name)
     args, kwargs = entry.inputs()
-    got = pc.run_pipeline(pipecheck_world(entry.num_stages), entry.factory(), args, kwargs, schedule=schedule,
+    world = pipecheck_world(entry.num_stages)
+    got = pc.run_pipeline(world, entry.factory(), args, kwargs, schedule=schedule,
                           n_microbatches=4, loss_fn=entry.loss_fn, target=entry.target(), **entry.cut())
-    want = _reference(entry, "markers", 4)
+    want = _reference(entry, "markers", 4, world.threads_per_rank)
     assert torch.equal(got.loss, want.loss)
     for got_leaf, want_leaf in zip(torch.utils._pytree.tree_leaves(got.outputs),
                                    torch.utils._pytree.tree_leaves(want.outputs)):
@@ -77,11 +78,12 @@ def test_distributed_equals_reference_bitwise_in_fp32(pipecheck_world, name, sch
 def test_every_tied_replica_ends_with_the_full_gradient(pipecheck_world):
     entry = get("tiny_gpt")
     args, _ = entry.inputs()
-    res = pc.run_pipeline(pipecheck_world(4), entry.factory(), args, n_microbatches=2, loss_fn=entry.loss_fn,
+    world = pipecheck_world(4)
+    res = pc.run_pipeline(world, entry.factory(), args, n_microbatches=2, loss_fn=entry.loss_fn,
                           target=entry.target())
     replicas = [res.stage_grads[s]["tok_emb.weight"] for s in (0, 3)]
     assert torch.equal(replicas[0], replicas[1])
-    want = _reference(entry, "markers", 2)
+    want = _reference(entry, "markers", 2, world.threads_per_rank)
     assert torch.equal(replicas[0], want.grads["tok_emb.weight"])
     share0 = want.stage_grads[0]["tok_emb.weight"]
     assert not torch.allclose(replicas[0], share0)  # the sum, not one stage's share
@@ -245,3 +247,24 @@ def test_a_value_whose_shape_changes_between_microbatches_is_a_clear_error(pipec
     x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
     with pytest.raises(pc.WorldError, match="changed its layout at micro-batch"):
         pc.run_pipeline(pipecheck_world(2), DataDependentShape, (x,), n_microbatches=4)
+
+
+def test_parity_holds_at_an_explicit_thread_count() -> None:
+    """Bitwise parity is promised at equal intra-op thread counts, whatever the machine's cores."""
+    entry = get("skip_one")
+    args, kwargs = entry.inputs()
+    with pc.World(entry.num_stages, threads_per_rank=2) as world:
+        assert world.threads_per_rank == 2
+        got = pc.run_pipeline(world, entry.factory(), args, kwargs, n_microbatches=4)
+    want = _reference(entry, "markers", 4, 2)
+    assert got.grads.keys() == want.grads.keys()
+    assert all(torch.equal(got.grads[fqn], grad) for fqn, grad in want.grads.items())
+
+
+def test_every_stage_on_one_rank_runs_interleaved(pipecheck_world):
+    """How the GPU benchmark runs: one rank, all four stages, interleaved 1F1B."""
+    entry = get("mlp")
+    args, kwargs = entry.inputs()
+    report = pc.assert_equivalent(entry.factory(), args, kwargs, runner="distributed", schedule="interleaved",
+                                  stages_per_rank=4, n_microbatches=4, world=pipecheck_world(1))
+    assert report.ok and report.num_stages == 4

@@ -28,6 +28,7 @@ ALL_BUT_TUPLE = ModelSpec(
         InputSpec("x", "x", 4),
         InputSpec("ids", "ids", 5),
         InputSpec("k0", "kwarg", 6),
+        InputSpec("s0", "replicated", 5),
         InputSpec("k1", "kwarg", 6, required=False, passed=False),
     ),
     layers=(
@@ -45,8 +46,12 @@ ALL_BUT_TUPLE = ModelSpec(
         LayerSpec("tied", (10,), 4, tied_to=0, transpose=True, bias=False),
         LayerSpec("tied", (11,), 6, tied_to=0),
         LayerSpec("tied", (12,), 5, tied_to=3),
+        LayerSpec("function", (13,), 5, op="reverse"),
+        LayerSpec("running", (14,), 5),
+        LayerSpec("replicated", (15,), 5, input_name="s0"),
+        LayerSpec("function", (16,), 5, op="ste"),
     ),
-    outputs=OutputSpec("dict", (13, 4, 0)),
+    outputs=OutputSpec("dict", (17, 4, 0)),
     batch=3,
     seed=7,
 )
@@ -102,7 +107,8 @@ def test_generated_models_run_forward_and_every_parameter_gets_a_gradient(spec: 
 def test_generated_models_trace_with_missing_kwargs_specialised_to_none(spec: ModelSpec) -> None:
     model = pst.build(spec)
     missing = {i.name: None for i in spec.inputs if i.role == "kwarg" and not i.passed}
-    traced = torch.fx.symbolic_trace(model, concrete_args=missing or None)
+    # a copy: a running-mean layer updates its buffer, and each side must start from the same state
+    traced = torch.fx.symbolic_trace(copy.deepcopy(model), concrete_args=missing or None)
     args, kwargs = pst.make_inputs(spec)
     assert_same_outputs(traced(*args, **kwargs), model(*args, **kwargs))
 
@@ -225,7 +231,7 @@ def test_a_tied_model_shrinks_to_a_linear_and_its_tied_twin() -> None:
 
 def test_features_names_every_feature_a_spec_uses() -> None:
     assert pst.features(ALL_BUT_TUPLE) == set(pst.FEATURES) - {"multi_output"}
-    single = dataclasses.replace(ALL_BUT_TUPLE, outputs=OutputSpec("tuple", (13,)))
+    single = dataclasses.replace(ALL_BUT_TUPLE, outputs=OutputSpec("tuple", (17,)))
     assert "multi_output" in pst.features(single)
 
 
@@ -250,19 +256,21 @@ def test_a_built_model_pickles_and_deep_copies_like_any_module() -> None:
         weight = dict(clone.named_parameters())["l0.weight"]
         assert weight.dtype == torch.float64 and weight is not model.get_parameter("l0.weight")
         assert clone.get_submodule("l11").weight is weight
-        assert_same_outputs(clone(*args, **kwargs), model(*args, **kwargs))
+        # each from the same state: the running-mean layer updates its buffer on every call
+        assert_same_outputs(clone(*args, **kwargs), copy.deepcopy(model)(*args, **kwargs))
 
 
 def test_a_missing_optional_kwarg_is_skipped_and_a_passed_one_is_added() -> None:
     model = pst.build(ALL_BUT_TUPLE)
     args, kwargs = pst.make_inputs(ALL_BUT_TUPLE)
-    assert sorted(kwargs) == ["k0"] and args[1].dtype == torch.int64
+    assert sorted(kwargs) == ["k0", "s0"] and args[1].dtype == torch.int64 and kwargs["s0"].shape == (5,)
     assert [k for k in range(len(ALL_BUT_TUPLE.layers)) if not ALL_BUT_TUPLE.computes(k)] == [10]
-    without = model(*args, **kwargs)
-    with_zero = model(*args, **kwargs, k1=torch.zeros(3, 6))
-    with_one = model(*args, **kwargs, k1=torch.ones(3, 6))
-    assert torch.equal(without["h13"], with_zero["h13"])
-    assert not torch.equal(without["h13"], with_one["h13"])
+    def outputs(**more: torch.Tensor) -> dict[str, torch.Tensor]:
+        return copy.deepcopy(model)(*args, **kwargs, **more)  # the running mean starts afresh each time
+
+    without, with_zero, with_one = outputs(), outputs(k1=torch.zeros(3, 6)), outputs(k1=torch.ones(3, 6))
+    assert torch.equal(without["h17"], with_zero["h17"])
+    assert not torch.equal(without["h17"], with_one["h17"])
 
 
 def test_to_source_runs_as_a_script_that_imports_only_torch(tmp_path: Any) -> None:
@@ -272,7 +280,7 @@ def test_to_source_runs_as_a_script_that_imports_only_torch(tmp_path: Any) -> No
     done = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "'h13': tensor(" in done.stdout
+    assert "'h17': tensor(" in done.stdout
 
 
 def test_to_source_of_a_small_model_reads_as_plain_torch() -> None:
@@ -356,7 +364,7 @@ def test_repr_reproduces_the_call(strategy: object, expected: str) -> None:
                                             "['bogus']; choose from ['linear', "),
         ({"features": []}, "features=[] has no layer that fits at any position; add one of "
                            "['linear', 'layernorm', 'activation', 'buffer', 'kwarg', "
-                           "'kwarg_default']"),
+                           "'kwarg_default', 'function', 'running', 'replicated']"),
         ({"features": ["residual", "multi_output"]}, "has no layer that fits at any position"),
         ({"features": ["tied", "layernorm"]}, "has 'tied' but no layer owning a weight to tie "
                                               "to; add 'linear' or 'embedding'"),

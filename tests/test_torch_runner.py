@@ -234,3 +234,41 @@ def test_what_torch_cannot_run_is_an_engine_error(pipecheck_world, name, message
                                f"{inside}; schedule '1f1b'")
     assert (err.rank, err.stage, err.engine) == (rank, 0, "torch.distributed.pipelining")  # type: ignore[attr-defined]
     assert isinstance(err.__cause__, pc.WorldError)
+
+
+def test_ranks_sharing_a_gpu_are_refused_before_any_rank_runs() -> None:
+    """gloo cannot send CUDA tensors, and torch hands them to it straight: refused up front."""
+    from types import SimpleNamespace
+
+    entry = get("mlp")
+    args, kwargs = entry.inputs()
+
+    class SharedGpuWorld(SimpleNamespace):
+        def run(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("no rank may start")
+
+    world = SharedGpuWorld(world_size=4, device="cuda", properties=SimpleNamespace(
+        gpus_shared=True, devices=("cuda:0",) * 4))
+    with pytest.raises(pc.EngineError, match="share 1 GPU") as caught:
+        pc.assert_equivalent(entry.factory(), args, kwargs, runner="torch", n_microbatches=4, world=world)
+    assert caught.value.engine == "torch.distributed.pipelining"
+    assert "runner='distributed'" in str(caught.value)
+
+
+def test_a_cause_that_says_nothing_gives_way_to_the_one_that_does() -> None:
+    """torch's Llama split fails deep in fx with a bare StopIteration; the message is a level up."""
+    try:
+        try:
+            try:
+                raise StopIteration
+            except StopIteration as inner:
+                raise RuntimeError("Expected positional argument for parameter unsqueeze_default, but one was "
+                                   "not passed in!") from inner
+        except RuntimeError as cause:
+            raise RuntimeError("\n    [Stage 0] failed to run forward:\n    args: ...") from cause
+    except RuntimeError as err:
+        error = RankError.from_exception(err, rank=0, stage=0, action="0F0")
+    message, context = torch_message(error)
+    assert message == ("RuntimeError: Expected positional argument for parameter unsqueeze_default, but one was "
+                       "not passed in!")
+    assert context == "[Stage 0] failed to run forward"

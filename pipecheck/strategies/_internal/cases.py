@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from pipecheck._errors import PipecheckError
 from pipecheck._markers import SplitPoint
+from pipecheck._microbatch import Replicated
 from pipecheck._report import Report
 from pipecheck._runners import BUILTIN
 from pipecheck.schedules import SCHEDULE_NAMES
@@ -117,7 +118,9 @@ class PipelineCase:
         """
         from pipecheck._check import assert_equivalent
 
-        args, kwargs = make_inputs(self.spec)
+        args, tensors = make_inputs(self.spec)
+        kwargs: dict[str, Any] = {name: Replicated(value) if self.spec.input(name).role == "replicated" else value
+                  for name, value in tensors.items()}  # no batch dimension: every micro-batch gets it whole
         return assert_equivalent(self.model_factory(), args, kwargs,
                                  **self.call_arguments(runner, **extra))
 

@@ -29,21 +29,23 @@ X = -1
 
 LayerKind = Literal[
     "linear", "layernorm", "activation", "embedding", "add", "concat",
-    "multiply", "buffer", "tied", "kwarg",
+    "multiply", "buffer", "tied", "kwarg", "function", "running", "replicated",
 ]
-InputRole = Literal["x", "ids", "kwarg"]
+InputRole = Literal["x", "ids", "kwarg", "replicated"]
 OutputKind = Literal["single", "tuple", "dict"]
 
 ACTIVATIONS = ("relu", "gelu", "tanh")
 BUFFER_OPS = ("mul", "add")
+FUNCTION_OPS = ("reverse", "ste")  # gradient reversal; straight-through rounding
 FEATURES = (
     "linear", "layernorm", "activation", "embedding", "residual", "concat", "multiply",
     "buffer", "tied", "kwarg", "kwarg_default", "multi_output", "dict_output",
+    "function", "running", "replicated",
 )
 """Every name :func:`features` can report, in a fixed order."""
 
 _LAYER_FEATURE = {"add": "residual"}
-_UNARY_SAME_WIDTH = ("layernorm", "activation", "buffer", "kwarg")
+_UNARY_SAME_WIDTH = ("layernorm", "activation", "buffer", "kwarg", "function", "running", "replicated")
 
 
 @dataclass(frozen=True, repr=False)
@@ -52,7 +54,9 @@ class InputSpec:
 
     ``role`` is ``"x"`` (the float tensor ``(batch, width)`` passed first),
     ``"ids"`` (a LongTensor ``(batch,)`` of token ids in ``[0, width)``, passed
-    second) or ``"kwarg"`` (a keyword-only float tensor ``(batch, width)``).
+    second), ``"kwarg"`` (a keyword-only float tensor ``(batch, width)``) or
+    ``"replicated"`` (a keyword-only float tensor ``(width,)`` without a batch
+    dimension, which the check passes as ``pc.Replicated``).
     A kwarg with ``required=False`` defaults to None and is passed by
     ``make_inputs`` only when ``passed``.
     """
@@ -75,8 +79,9 @@ class LayerSpec:
     """One layer: its kind, the values it reads and the width of its output.
 
     Kind-specific fields: ``op`` (activation ``relu``/``gelu``/``tanh``;
-    buffer ``mul``/``add``), ``input_name`` (the model input an ``embedding``
-    or ``kwarg`` layer reads), ``tied_to`` and ``transpose`` (a ``tied`` layer
+    buffer ``mul``/``add``; function ``reverse``/``ste``: a custom
+    autograd.Function), ``input_name`` (the model input an ``embedding``,
+    ``kwarg`` or ``replicated`` layer reads), ``tied_to`` and ``transpose`` (a ``tied`` layer
     uses the weight Parameter of the earlier ``linear``/``embedding`` layer
     ``tied_to``, transposed or not), ``bias`` (``linear`` and ``tied``).
     """
@@ -224,7 +229,7 @@ def _input_problems(spec: ModelSpec) -> list[str]:
             problems.append(f"input name {name!r} is not usable as a forward argument")
         if spec_input.width < 1:
             problems.append(f"input {name!r} has width={spec_input.width}; it must be >= 1")
-        if spec_input.role != "kwarg" and not (spec_input.required and spec_input.passed):
+        if spec_input.role in ("x", "ids", "replicated") and not (spec_input.required and spec_input.passed):
             problems.append(f"input {name!r} (role {spec_input.role!r}) must be required and passed")
         if spec_input.required and not spec_input.passed:
             problems.append(f"required kwarg {name!r} must be passed (passed=False)")
@@ -254,13 +259,15 @@ def _layer_problems(spec: ModelSpec, index: int) -> list[str]:
         problems.append(f"op={layer.op!r} is not one of {ACTIVATIONS}")
     if layer.kind == "buffer" and layer.op not in BUFFER_OPS:
         problems.append(f"op={layer.op!r} is not one of {BUFFER_OPS}")
-    if layer.kind in ("embedding", "kwarg"):
-        role = "ids" if layer.kind == "embedding" else "kwarg"
+    if layer.kind == "function" and layer.op not in FUNCTION_OPS:
+        problems.append(f"op={layer.op!r} is not one of {FUNCTION_OPS}")
+    if layer.kind in ("embedding", "kwarg", "replicated"):
+        role = {"embedding": "ids", "kwarg": "kwarg", "replicated": "replicated"}[layer.kind]
         named = [spec_input for spec_input in spec.inputs if spec_input.name == layer.input_name]
         if not named or named[0].role != role:
             problems.append(f"input_name={layer.input_name!r} names no input with role {role!r}")
-        elif layer.kind == "kwarg" and named[0].width != layer.width:
-            problems.append(f"kwarg {layer.input_name!r} has width {named[0].width}")
+        elif layer.kind != "embedding" and named[0].width != layer.width:
+            problems.append(f"{layer.kind} input {layer.input_name!r} has width {named[0].width}")
     if layer.kind == "tied":
         problems.extend(_tied_problems(spec, index, widths[0]))
     return problems

@@ -99,3 +99,63 @@ class AddInput(torch.nn.Module):
         if extra is None:
             return h
         return h + extra
+
+
+class GradReverse(torch.autograd.Function):
+    """Identity forward, negated gradient: a custom backward autograd would not derive."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, h: torch.Tensor) -> torch.Tensor:
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return -grad
+
+
+class RoundSTE(torch.autograd.Function):
+    """Rounding to quarters forward, identity gradient (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, h: torch.Tensor) -> torch.Tensor:
+        return torch.round(h * 4) / 4
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class ReverseGradient(torch.nn.Module):
+    """``GradReverse.apply(h)``: a custom autograd.Function, whose own backward must run."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return GradReverse.apply(h)
+
+
+class StraightThrough(torch.nn.Module):
+    """``RoundSTE.apply(h)``: a custom autograd.Function, whose own backward must run."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return RoundSTE.apply(h)
+
+
+class RunningMean(torch.nn.Module):
+    """``h - mean``, where every forward first moves the buffer ``mean`` towards ``h``'s batch mean:
+    state a forward changes, so every micro-batch must see the one the previous one left."""
+
+    mean: torch.Tensor
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.empty(width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.mean.mul_(0.75).add_(0.25 * h.detach().mean(dim=0))
+        return h - self.mean
+
+
+class ScaleByInput(torch.nn.Module):
+    """``h * scale``, where ``scale`` is a per-feature model input every micro-batch gets whole."""
+
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return h * scale

@@ -26,6 +26,7 @@ from pipecheck.strategies._internal.description import (
     ACTIVATIONS,
     BUFFER_OPS,
     FEATURES,
+    FUNCTION_OPS,
     InputSpec,
     LayerSpec,
     ModelSpec,
@@ -38,7 +39,8 @@ T = TypeVar("T")
 # A feature that needs another to be built at all brings it along.
 IMPLIED = {"concat": ("linear",), "embedding": ("residual",)}
 # Layer features that fit at any position; a model may be made of these alone.
-_ANYWHERE = ("linear", "layernorm", "activation", "buffer", "kwarg", "kwarg_default")
+_ANYWHERE = ("linear", "layernorm", "activation", "buffer", "kwarg", "kwarg_default", "function", "running",
+             "replicated")
 # Layer kinds with parameters of their own (a tied layer's weight is another's).
 _WITH_PARAMETERS = ("linear", "layernorm", "embedding")
 # Layer features that join a second value (or weight) to the stream, when one fits.
@@ -110,9 +112,11 @@ def _draw_models(
     seed = draw(st.integers(0, 2**32 - 1))
     # x, ids, then required kwargs before optional ones: torch.fx writes keyword-only
     # arguments as ordinary ones, and "k1=None, k2" would be a SyntaxError.
-    inputs = sorted(draft.inputs,
-                    key=lambda spec: ("x", "ids", "kwarg").index(spec.role) + (not spec.required))
+    inputs = sorted(draft.inputs, key=lambda spec: _INPUT_ORDER[spec.role] + (not spec.required))
     return ModelSpec(tuple(inputs), tuple(draft.layers), outputs, config.batch, seed)
+
+
+_INPUT_ORDER = {"x": 0, "ids": 1, "kwarg": 2, "replicated": 2}  # keyword-only ones last, required first
 
 
 # hypothesis builds a strategy's repr from the function's name and the arguments
@@ -206,10 +210,12 @@ class _Draft:
         add = self.layers.append
         if kind == "linear":
             add(LayerSpec("linear", (previous,), self._out_width(choices), bias=choices.flag))
-        elif kind in ("layernorm", "activation", "buffer"):
-            op = {"activation": ACTIVATIONS, "buffer": BUFFER_OPS}.get(kind)
+        elif kind in ("layernorm", "activation", "buffer", "function", "running"):
+            op = {"activation": ACTIVATIONS, "buffer": BUFFER_OPS, "function": FUNCTION_OPS}.get(kind)
             add(LayerSpec(kind, (previous,), width,  # type: ignore[arg-type]
                           op=choices.among(op) if op else ""))
+        elif kind == "replicated":
+            add(LayerSpec("replicated", (previous,), width, input_name=self._replicated(choices, width)))
         elif kind in ("kwarg", "kwarg_default"):
             name = self._kwarg(choices, width, required=kind == "kwarg")
             add(LayerSpec("kwarg", (previous,), width, input_name=name))
@@ -272,6 +278,15 @@ class _Draft:
         if len(self.inputs) < 2 or self.inputs[1].role != "ids":
             self.inputs.insert(1, InputSpec("ids", "ids", vocab))
         return "ids"
+
+    def _replicated(self, choices: _Choices, width: int) -> str:
+        """The name of a per-feature input of ``width`` (no batch dimension): an earlier one or new."""
+        reusable = [spec.name for spec in self.inputs if spec.role == "replicated" and spec.width == width]
+        if reusable and choices.reuse:
+            return choices.among(reusable)
+        name = f"s{sum(spec.role == 'replicated' for spec in self.inputs)}"
+        self.inputs.append(InputSpec(name, "replicated", width))
+        return name
 
     def _kwarg(self, choices: _Choices, width: int, required: bool) -> str:
         """The name of a keyword input of ``width``: an earlier one (shared by layers) or new."""

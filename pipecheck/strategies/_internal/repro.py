@@ -38,6 +38,8 @@ def source(spec: ModelSpec, arguments: Mapping[str, Any]) -> str:
     lines = ["def test_pipeline_case() -> None:",
              '    """The pipeline check pipecheck.strategies generated."""',
              "    args, kwargs = make_inputs()",
+             *(f"    kwargs[{spec_input.name!r}] = pc.Replicated(kwargs[{spec_input.name!r}])  # no batch dimension"
+               for spec_input in spec.inputs if spec_input.role == "replicated"),
              "    pc.assert_equivalent(",
              "        make_model,",
              "        args,",

@@ -1,0 +1,88 @@
+"""What a tracer hands the splitter, and what every tracer shares.
+
+    traced = trace(model, args, kwargs, split_spec, tracer)   # see pipecheck._trace
+    traced.graph          # placeholders, get_attr, compute nodes, pipe_split markers, output
+    traced.input_names    # model inputs that are graph placeholders, in order
+    traced.bind(args, kwargs) -> {input name: value}
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from pipecheck._errors import SplitError
+from pipecheck._markers import SplitPoint
+from pipecheck._microbatch import unwrap_replicated
+
+SplitSpec = Mapping[str, "SplitPoint | str"]
+
+
+@dataclass
+class Traced:
+    """A traced model: one graph, the objects its ``get_attr`` targets name, and its I/O layout."""
+
+    graph: fx.Graph
+    attrs: dict[str, Any]  # get_attr / call_module target -> object (from the model copy)
+    input_names: tuple[str, ...]
+    bind: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]
+    tracer: str
+    out_spec: pytree.TreeSpec | None = None  # export: the graph returns flat leaves in this structure
+
+
+def normalize_split_spec(model: nn.Module, split_spec: SplitSpec) -> dict[str, SplitPoint]:
+    """Check every FQN names a submodule and every point is a SplitPoint; report all problems."""
+    modules = dict(model.named_modules())
+    problems: list[str] = []
+    spec: dict[str, SplitPoint] = {}
+    for fqn, point in split_spec.items():
+        if fqn not in modules or fqn == "":
+            close = difflib.get_close_matches(fqn, [m for m in modules if m], n=3)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            problems.append(f"  {fqn!r} is not a submodule of {type(model).__name__}.{hint}")
+            continue
+        try:
+            spec[fqn] = point if isinstance(point, SplitPoint) else SplitPoint(str(point).upper())
+        except ValueError:
+            problems.append(f"  {fqn!r}: split point {point!r} is not SplitPoint.BEGINNING or SplitPoint.END")
+    if problems:
+        raise SplitError(
+            "split_spec has problems:\n" + "\n".join(problems)
+            + "\nFix: use module FQNs as printed by model.named_modules(), mapped to SplitPoint.BEGINNING/END."
+        )
+    return spec
+
+
+def has_tensor(value: Any) -> bool:
+    """Whether ``value`` holds a tensor anywhere (a ``pc.Replicated`` one included)."""
+    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(unwrap_replicated(value)))
+
+
+def unused_spec(split_spec: dict[str, SplitPoint], called: set[str], tracer: str) -> None:
+    unused = [fqn for fqn in split_spec if fqn not in called]
+    if unused:
+        raise SplitError(
+            f"split_spec names modules that forward never calls: {unused}. "
+            f"Fix: cut at a module that runs in forward (seen by the {tracer!r} tracer)."
+        )
+
+
+def resolve(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def try_resolve(root: nn.Module, target: str) -> Any:
+    try:
+        return resolve(root, target)
+    except AttributeError:
+        return None

@@ -1,0 +1,67 @@
+"""The HuggingFace zoo (tiny GPT-2, Llama, BERT, T5; nothing downloaded) checked with no tracer argument:
+``tracer="auto"`` falls back to torch.export, which traces them, and pipecheck's runners match eager.
+torch.distributed.pipelining's own results on them are checked too, as the README reports them."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from pipecheck.fixtures import HF_ZOO, get  # noqa: E402
+
+import pipecheck as pc  # noqa: E402
+
+N_MICROBATCHES = 4
+
+
+def check(name: str, runner: str, world: Any = None) -> pc.Report:
+    entry = get(name)
+    args, kwargs = entry.inputs()
+    return pc.assert_equivalent(entry.factory("spec"), args, kwargs, runner=runner, world=world,
+                                n_microbatches=N_MICROBATCHES, **entry.cut("spec"))
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Any:
+    with warnings.catch_warnings():  # torch's export and pipeline() warn about their own internals
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+@pytest.mark.parametrize("name", [entry.name for entry in HF_ZOO])
+def test_hf_models_match_on_the_reference_and_the_runtime(pipecheck_world: Any, name: str) -> None:
+    for runner, world in (("reference", None), ("distributed", pipecheck_world(2))):
+        report = check(name, runner, world)
+        assert report.ok and report.tracer == "export" and report.num_stages == 2, (runner, report)
+        assert "split by export" in report.headline()
+
+
+@pytest.mark.parametrize("name,tensor", [("hf_gpt2", "grad transformer.wte.weight"),
+                                         ("hf_bert", "grad bert.embeddings.word_embeddings.weight")])
+def test_torch_leaves_the_tied_embeddings_unsynchronised(pipecheck_world: Any, name: str, tensor: str) -> None:
+    with pytest.raises(pc.EquivalenceError) as caught:
+        check(name, "torch", pipecheck_world(2))
+    assert tensor in [row.name for row in caught.value.report.failures]
+    assert "tied parameter not synchronised" in caught.value.report.hints[tensor]
+
+
+def test_torch_drops_t5s_encoder_output_and_is_refused(pipecheck_world: Any) -> None:
+    with pytest.raises(pc.EngineError) as caught:
+        check("hf_t5", "torch", pipecheck_world(2))
+    assert str(caught.value).splitlines()[0] == (
+        "torch returns only last-stage outputs; output['encoder_last_hidden_state'] is stage 0's")
+
+
+def test_torch_calls_llamas_rotary_embedding_without_its_inputs(pipecheck_world: Any) -> None:
+    """torch's pipeline() outlines the no_grad rotary embedding twice, the first call without arguments:
+    fx's interpreter runs out of them (a bare StopIteration, reported by the message above it)."""
+    with pytest.raises(pc.EngineError) as caught:
+        check("hf_llama", "torch", pipecheck_world(2))
+    first = str(caught.value).splitlines()[0]
+    assert first.startswith("RuntimeError: Expected positional argument for parameter"), first
+    assert caught.value.rank == 0 and caught.value.stage == 0

@@ -1,0 +1,55 @@
+"""One tensor's verdict under each tolerance, infinities and NaNs included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pipecheck as pc
+from pipecheck._numerics import compare
+
+INF, NAN = float("inf"), float("nan")
+EAGER = torch.tensor([0.0, -INF, 1.0])  # e.g. a causal mask, or masked logits
+
+
+@pytest.mark.parametrize("tolerance", ["auto", pc.Tolerance(1e-3, 1e-3), "exact"], ids=str)
+@pytest.mark.parametrize("test,ok", [
+    pytest.param([0.0, -INF, 1.0], True, id="same-infinity"),
+    pytest.param([0.0, 0.0, 1.0], False, id="finite-for-infinite"),
+    pytest.param([0.0, INF, 1.0], False, id="opposite-infinity"),
+    pytest.param([0.0, NAN, 1.0], False, id="nan-for-infinite"),
+    pytest.param([0.0, -INF, 1.1], False, id="finite-part-off"),
+])
+def test_infinities_match_only_themselves(test: list[float], ok: bool, tolerance: object) -> None:
+    row = compare("x", torch.tensor(test), EAGER, EAGER.double(), tolerance)  # type: ignore[arg-type]
+    assert row.ok is ok
+    assert row.max_abs == row.max_abs and row.max_rel == row.max_rel  # never NaN in the table
+    if ok:
+        assert (row.max_abs, row.n_failing) == (0.0, 0)
+
+
+def test_an_infinite_entry_does_not_widen_the_auto_tolerance() -> None:
+    eager = torch.tensor([1.0, -INF, 2.0])
+    truth = torch.tensor([1.0, -INF, 2.0], dtype=torch.float64)
+    row = compare("x", torch.tensor([1.0, -INF, 2.5]), eager, truth, "auto")
+    assert not row.ok and "atol 4.8e-07" in row.tolerance  # 2 eps x scale 2: the finite entries only
+
+
+class CausalMask(nn.Module):
+    """A constant -inf mask buffer, as attention layers keep one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("mask", torch.triu(torch.full((4, 4), -INF), 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        pc.pipe_split()
+        return self.b(torch.softmax(h.unsqueeze(-1) + self.mask, dim=-1).sum(-1))
+
+
+def test_a_model_with_an_infinite_buffer_passes() -> None:
+    report = pc.assert_equivalent(CausalMask, (torch.randn(8, 4),), runner="reference", n_microbatches=2)
+    assert report.ok and report.row("buffer mask").ok
