@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ from pipecheck._inputs import cast_inputs
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
 from pipecheck._microbatch import split_microbatches
 from pipecheck._model_factory import ModelFactory
+from pipecheck._torch_warnings import torch_internal_warnings_ignored
 from pipecheck._worker import RankContext
 from pipecheck.losses import MicrobatchLoss
 
@@ -237,8 +237,7 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     args, kwargs = cast_inputs((tuple(spec.args), dict(spec.kwargs)), None, ctx.device)
     mb_args, mb_kwargs = split_microbatches((args, kwargs), n)[0]
     ctx.action = "pipeline() trace"
-    with warnings.catch_warnings():  # torch's own pipeline() deep-copies a TreeSpec: its deprecation, not ours
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+    with torch_internal_warnings_ignored():  # pipeline() exports and deep-copies TreeSpecs
         pipe = pipeline(model, tuple(mb_args), dict(mb_kwargs), split_policy=_translate_markers(spec.keep_markers))
     if pipe.num_stages != spec.n_stages:
         raise TorchStepError(f"torch's pipeline() cut the model into {pipe.num_stages} stages where pipecheck "
@@ -283,7 +282,9 @@ def _step(ctx: RankContext, prep: _Prepared) -> TorchRankResult:
     losses: list[torch.Tensor] = []
     step_kwargs: dict[str, Any] = {"target": prep.target, "losses": losses} if last else {}
     ctx.stage, ctx.action = mine[0], "schedule.step"
-    outputs = prep.schedule.step(*(prep.args if first else ()), **(prep.kwargs if first else {}), **step_kwargs)
+    with torch_internal_warnings_ignored():  # cuBLAS's context warning from autograd's CUDA thread
+        outputs = prep.schedule.step(*(prep.args if first else ()), **(prep.kwargs if first else {}),
+                                     **step_kwargs)
     ctx.stage, ctx.action = mine[0], "collect grads"
     result = TorchRankResult(ctx.rank, losses=[loss.detach().cpu().reshape(()) for loss in losses])
     if last:

@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from pipecheck._errors import InputError, SplitError, TraceError
 from pipecheck._inputs import bind_signature
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint, _active_fx_tracer, pipe_split
+from pipecheck._torch_warnings import torch_internal_warnings_ignored
 
 SplitSpec = Mapping[str, "SplitPoint | str"]
 
@@ -191,8 +192,9 @@ def _try_resolve(root: nn.Module, target: str) -> Any:
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint]) -> Traced:
     bound = bind_signature(model, args, kwargs)
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False,
-                                       dynamic_shapes=_batch_dynamic_shapes(bound))
+        with torch_internal_warnings_ignored():
+            exported = torch.export.export(model, args, kwargs, strict=False,
+                                           dynamic_shapes=_batch_dynamic_shapes(bound))
     except Exception as err:  # export raises many kinds; the message names the construct
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise TraceError(
