@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pipecheck._errors import plural
 from pipecheck._numerics import Row
 
 HEADERS = ("tensor", "stage", "shape", "max abs", "max rel", "tolerance", "worst index", "failing")
@@ -71,8 +72,8 @@ class Report:
         return next(r for r in self.rows if r.name == name)
 
     def headline(self) -> str:
-        settings = (f"tolerance {self.tolerance}, {self.dtype}, {self.num_stages} stages, "
-                    f"{self.n_microbatches} micro-batch{'es' if self.n_microbatches != 1 else ''}")
+        settings = (f"tolerance {self.tolerance}, {self.dtype}, {plural(self.num_stages, 'stage')}, "
+                    f"{plural(self.n_microbatches, 'micro-batch')}")
         if self.ok:
             return f"pipecheck: runner {self.runner!r} matches eager ({len(self.rows)} tensors; {settings})"
         return (f"pipecheck: runner {self.runner!r} does not match eager "

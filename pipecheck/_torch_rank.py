@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._errors import RankError
+from pipecheck._errors import RankError, plural
 from pipecheck._inputs import cast_inputs
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
 from pipecheck._microbatch import split_microbatches
@@ -240,8 +240,8 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     with torch_internal_warnings_ignored():  # pipeline() exports and deep-copies TreeSpecs
         pipe = pipeline(model, tuple(mb_args), dict(mb_kwargs), split_policy=_translate_markers(spec.keep_markers))
     if pipe.num_stages != spec.n_stages:
-        raise TorchStepError(f"torch's pipeline() cut the model into {pipe.num_stages} stages where pipecheck "
-                             f"cut {spec.n_stages}")
+        raise TorchStepError(f"torch's pipeline() cut the model into {plural(pipe.num_stages, 'stage')} where "
+                             f"pipecheck cut {spec.n_stages}")
     mine = list(range(ctx.rank, pipe.num_stages, ctx.world_size))
     ctx.stage = mine[0]
     stray = _non_last_outputs(pipe.split_gm, pipe.num_stages)
