@@ -131,8 +131,6 @@ class UserFactory:
 
 
 def _inputs(args: argparse.Namespace) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    import torch
-
     if args.input_shape:
         try:
             shape = [int(d) for d in args.input_shape.split(",")]
@@ -141,6 +139,8 @@ def _inputs(args: argparse.Namespace) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not shape or min(shape) < 1:
             raise UsageError(f"--input-shape {args.input_shape!r} is not a shape. Fix: give positive sizes "
                              "separated by commas, e.g. --input-shape 8,16.")
+        import torch
+
         return (torch.randn(*shape, generator=torch.Generator().manual_seed(args.seed)),), {}
     make = _load(args.inputs, "--inputs")
     try:
@@ -226,18 +226,21 @@ def _cell(run: Callable[[], Any]) -> tuple[str, str]:
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:
+    runners = [_runner(spec) for spec in (args.runners.split(",") if args.runners else RUNNERS)]
+    if args.write_markdown:
+        write_marked_block(args.write_markdown, None)  # a file without the markers fails now, not after the zoo
+    device = _device(args.device)
+
     import pipecheck as pc
     from pipecheck._report import format_plain_table
     from pipecheck.fixtures import ZOO
 
-    runners = [_runner(spec) for spec in (args.runners.split(",") if args.runners else RUNNERS)]
     names = [entry.name for entry in ZOO]
     wanted = args.models.split(",") if args.models else names
     unknown = [name for name in wanted if name not in names]
     if unknown:
         raise UsageError(f"--models names {unknown}, which the zoo does not have. Fix: choose from "
                          f"{', '.join(names)}.")
-    device = _device(args.device)
     rows, outcomes = [], set()
     started = time.perf_counter()
     for entry in (e for e in ZOO if e.name in wanted):
@@ -272,8 +275,8 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 BEGIN, END = "<!-- pipecheck-zoo:begin -->", "<!-- pipecheck-zoo:end -->"
 
 
-def write_marked_block(path: str, body: str) -> None:
-    """Replace the text between the zoo markers in ``path`` (a README) with ``body``."""
+def write_marked_block(path: str, body: str | None) -> None:
+    """Replace the text between the zoo markers in ``path`` (a README) with ``body`` (None: only check)."""
     from pathlib import Path
 
     try:
@@ -284,9 +287,10 @@ def write_marked_block(path: str, body: str) -> None:
     if BEGIN not in text or END not in text:
         raise UsageError(f"{path} has no {BEGIN} ... {END} block to write the zoo table into. Fix: add "
                          "the two markers where the table belongs.")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    Path(path).write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+    if body is not None:
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        Path(path).write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
 
 
 def cmd_check(args: argparse.Namespace) -> int:
