@@ -79,12 +79,12 @@ def unpicklable_part(job: Job) -> TaskPickleError | None:
     """A TaskPickleError naming the first part of ``job`` that cannot be pickled (None if all can)."""
     source = job.model.source if isinstance(job.model, ModelFactory) else job.model
     if isinstance(source, nn.Module):
-        model = (f"the model ({type(source).__name__})", "pass a zero-argument factory that builds it, "
-                 f"defined as {_TOP_LEVEL}")
+        model = f"the model ({type(source).__name__})"
+        model_fix = f"pass a zero-argument factory that builds it, defined as {_TOP_LEVEL}"
     else:
-        model = (f"the model factory {_name(source)!r}", f"define it as {_TOP_LEVEL}")
+        model, model_fix = f"the model factory {_name(source)!r}", f"define it as {_TOP_LEVEL}"
     parts: list[tuple[str, Any, str]] = [
-        (*model[:1], source, model[1]),
+        (model, source, model_fix),
         (f"loss_fn {_name(job.loss_fn)!r}", job.loss_fn, f"define it as {_TOP_LEVEL}"),
         ("target", job.target, f"pass {_DATA}"),
         *((f"args[{i}]", value, f"pass {_DATA}") for i, value in enumerate(job.args)),
