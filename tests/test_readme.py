@@ -36,8 +36,14 @@ def _file_name(index: int, block: str) -> str:
 
 
 def _check_commands() -> list[str]:
+    """The README's `pipecheck check` lines that run in one process (their own runner, or "reference").
+
+    The distributed line checks the same file as the `my_model.py` block's own distributed check, which
+    runs above; starting its worker processes again would only add time to the suite.
+    """
     bash = "\n".join(re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S))
-    return [line for line in bash.splitlines() if line.startswith("pipecheck check ")]
+    return [line for line in bash.splitlines()
+            if line.startswith("pipecheck check ") and re.search(r"--runner (reference|\w+:\w+)", line)]
 
 
 def _write_blocks(directory: Path) -> dict[str, str]:
@@ -82,6 +88,12 @@ def test_the_readme_s_blocks_are_complete_programs() -> None:
         starts_workers = re.search(r"pc\.World\(|runner=\"(distributed|torch)\"|run_pipeline\(", block)
         if starts_workers and "def test_" not in block:
             assert 'if __name__ == "__main__":' in block, f"block {index} starts workers without a main guard"
+
+
+def test_the_command_line_section_checks_both_example_files() -> None:
+    bash = "\n".join(re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S))
+    assert "pipecheck check my_model:Model --inputs my_model:make_inputs\n" in bash  # the Use block's file
+    assert len(_check_commands()) == 1  # the my_engine.py line, run below
 
 
 @pytest.mark.parametrize("command", _check_commands())
