@@ -43,6 +43,7 @@ from pipecheck._result import StepResult
 from pipecheck._runners import BUILTIN, run_reference
 from pipecheck._trace import check_tracer
 from pipecheck._traced import SplitSpec
+from pipecheck._world_spawn import refuse_unguarded_main
 from pipecheck.losses import LossFn, projection_loss
 from pipecheck.policies import Policy
 
@@ -54,6 +55,8 @@ def resolve_runner(runner: Any) -> tuple[str, Runner]:
     """``(name, runner)`` for a built-in runner's name or a user's callable."""
     if runner == "reference":
         return "reference", run_reference
+    if runner in ("distributed", "torch"):
+        refuse_unguarded_main()  # before the eager runs: a rank re-importing an unguarded script stops here
     if runner == "distributed":
         from pipecheck._distributed_runner import run_distributed
 

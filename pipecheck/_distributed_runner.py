@@ -17,14 +17,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecheck._errors import InputError
+from pipecheck._errors import InputError, plural
 from pipecheck._inputs import as_args
 from pipecheck._job import Job
 from pipecheck._microbatch import merge_microbatches, replicated_names
 from pipecheck._model_factory import ModelFactory
 from pipecheck._pipe import Pipe
 from pipecheck._result import StepResult
-from pipecheck._runners import merge_stage_grads, world_for
+from pipecheck._runners import merge_stage_grads, run_on_world, world_for
 from pipecheck._runtime import RankResult, StepSpec, dependencies, rank_step
 from pipecheck._stage_step import InputGradKey, LeafGrads, merge_input_grads
 from pipecheck._timeline import write_chrome_trace
@@ -40,12 +40,13 @@ def plan_schedule(job: Job, pipe: Pipe) -> Schedule:
         schedule = job.schedule
     else:
         if pipe.num_stages == 1 and job.stages_per_rank > 1:
-            raise InputError(f"stages_per_rank={job.stages_per_rank} but the model is not cut (1 stage): "
+            raise InputError(f"stages_per_rank={job.stages_per_rank} but the model is not cut (1 stage). "
                              "Fix: cut it with pipe_split() markers, split_spec or policy.")
         schedule = make_schedule(str(job.schedule), pipe.num_stages, job.n_microbatches, job.stages_per_rank)
     if schedule.n_stages != pipe.num_stages or schedule.n_microbatches != job.n_microbatches:
-        raise InputError(f"schedule {schedule.name!r} is for {schedule.n_stages} stages and "
-                         f"{schedule.n_microbatches} micro-batches, but the split has {pipe.num_stages} stages "
+        raise InputError(f"schedule {schedule.name!r} is for {plural(schedule.n_stages, 'stage')} and "
+                         f"{plural(schedule.n_microbatches, 'micro-batch')}, but the split has "
+                         f"{plural(pipe.num_stages, 'stage')} "
                          f"and n_microbatches={job.n_microbatches}. Fix: build the schedule for this split.")
     schedule.validate(dependencies(pipe))
     return schedule
@@ -87,7 +88,7 @@ def run_distributed(job: Job) -> StepResult:
     schedule = plan_schedule(job, pipe)
     world = world_for(job, schedule.n_ranks, ENGINE)
     started = time.perf_counter()
-    results = world.run(rank_step, step_spec(job, schedule, pipe.tracer), timeout=job.timeout)
+    results = run_on_world(world, rank_step, step_spec(job, schedule, pipe.tracer), job)
     replicated = replicated_names(pipe.bind_inputs(job.args, job.kwargs))
     result = merge_rank_results(pipe, results, job.n_microbatches, replicated)
     result.timings["step_s"] = time.perf_counter() - started

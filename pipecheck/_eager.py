@@ -26,6 +26,7 @@ from pipecheck._microbatch import merge_microbatches, split_microbatches, unwrap
 from pipecheck._model_factory import seeded
 from pipecheck._numerics import nonfinite
 from pipecheck._result import StepResult
+from pipecheck._torch_warnings import torch_internal_warnings_ignored
 from pipecheck.losses import LossFn, MicrobatchLoss, projection_loss, projection_target
 
 
@@ -62,7 +63,8 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
                         if isinstance(value, torch.Tensor) and value.requires_grad]
         wrt = [p for _, p in params] + [t for _, t in named_inputs]
         if wrt and loss.requires_grad:
-            got = torch.autograd.grad(loss, wrt, allow_unused=True)
+            with torch_internal_warnings_ignored():  # cuBLAS's context warning from autograd's CUDA thread
+                got = torch.autograd.grad(loss, wrt, allow_unused=True)
             grads = {n: g for (n, _), g in zip(params, got) if g is not None}
             input_grads = {n: g for (n, _), g in zip(named_inputs, got[len(params):]) if g is not None}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -76,11 +78,43 @@ def _call(model: nn.Module, call: inspect.BoundArguments, n_microbatches: int) -
         raise
     except Exception as err:
         first = (str(err).strip().splitlines() or [""])[0]
+        failed = f"the eager model failed on {'one micro-batch of ' if n_microbatches > 1 else ''}its inputs"
+        mismatch = _placement_mismatch(model, call.arguments)
+        if mismatch:
+            fix = ("Fix: give inputs in the model's dtype and on its device, or pass dtype=/device= to "
+                   "assert_equivalent, which casts the model and the floating inputs alike.")
+            raise InputError(f"{failed} ({type(err).__name__}: {first}): {mismatch}. {fix}") from None
+        if n_microbatches == 1:
+            raise InputError(f"{failed} ({type(err).__name__}: {first}). Fix: check that the model runs "
+                             "on these inputs eagerly: model(*args, **kwargs).") from None
         raise InputError(
-            f"the eager model failed on one micro-batch of its inputs ({type(err).__name__}: {first}). "
+            f"{failed} ({type(err).__name__}: {first}). "
             f"With n_microbatches={n_microbatches} each call sees 1/{n_microbatches} of the batch. Fix: make "
             "forward work for any batch size (no hard-coded batch), or use n_microbatches=1."
         ) from None
+
+
+def _placement_mismatch(model: nn.Module, arguments: dict[str, Any]) -> str:
+    """``"input x is float64 but the model's parameters are float32"`` (or devices), or ""."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if not params:
+        return ""
+    dtype, device = params[0].dtype, params[0].device
+    problems = []
+    for name, value in arguments.items():
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            where = f"input {name}{pytree.keystr(path)}"
+            if leaf.is_floating_point() and leaf.dtype != dtype:
+                problems.append(f"{where} is {_short(leaf.dtype)} but the model's parameters are {_short(dtype)}")
+            if leaf.device != device:
+                problems.append(f"{where} is on {leaf.device} but the model's parameters are on {device}")
+    return "; ".join(problems)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @contextmanager

@@ -46,6 +46,13 @@ class RankError:
         return f"{self.exc_type}: {first}" if first else self.exc_type
 
 
+def plural(count: int, noun: str) -> str:
+    """``"1 stage"``, ``"4 stages"``, ``"2 micro-batches"``: a count and its noun, in messages."""
+    if count == 1:
+        return f"{count} {noun}"
+    return f"{count} {noun}{'es' if noun.endswith(('ch', 'sh', 's', 'x')) else 's'}"
+
+
 def _type_name(error: BaseException) -> str:
     kind = type(error)
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
@@ -67,8 +74,12 @@ class InputError(PipecheckError):
     """Inputs, kwargs, targets or micro-batch settings do not fit the model."""
 
 
+class UsageError(InputError):
+    """The command line was used wrongly: a bad option, path, module or value (exit status 2)."""
+
+
 class LossError(PipecheckError):
-    """The loss function returned something that is not a scalar tensor."""
+    """The loss function raised, or returned something that is not a scalar tensor."""
 
 
 class ScheduleError(PipecheckError):

@@ -24,7 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._errors import SplitError
+from pipecheck._errors import SplitError, plural
 from pipecheck._inputs import as_args
 from pipecheck._markers import PIPE_SPLIT_OP, is_marker
 from pipecheck._model_factory import ModelLike, build_module
@@ -163,10 +163,10 @@ class Pipe:
         return found
 
     def __repr__(self) -> str:
-        return f"<Pipe {self.model_name}: {self.num_stages} stages, tracer={self.tracer!r}>"
+        return f"<Pipe {self.model_name}: {plural(self.num_stages, 'stage')}, tracer={self.tracer!r}>"
 
     def __str__(self) -> str:
-        lines = [f"Pipe({self.model_name}, {self.num_stages} stages, tracer={self.tracer})"]
+        lines = [f"Pipe({self.model_name}, {plural(self.num_stages, 'stage')}, tracer={self.tracer})"]
         for stage in self.stages:
             lines.append(f"  stage {stage.index}:")
             lines.append(f"    inputs:  {', '.join(map(str, stage.inputs)) or '-'}")

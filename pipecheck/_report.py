@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pipecheck._errors import plural
 from pipecheck._numerics import Row
 
 HEADERS = ("tensor", "stage", "shape", "max abs", "max rel", "tolerance", "worst index", "failing")
@@ -73,10 +74,9 @@ class Report:
         return next(r for r in self.rows if r.name == name)
 
     def headline(self) -> str:
-        stages = f"{self.num_stages} stage{'s' if self.num_stages != 1 else ''}"
         split_by = f" split by {self.tracer}" if self.tracer else ""
-        settings = (f"tolerance {self.tolerance}, {self.dtype}, {stages}{split_by}, "
-                    f"{self.n_microbatches} micro-batch{'es' if self.n_microbatches != 1 else ''}")
+        settings = (f"tolerance {self.tolerance}, {self.dtype}, {plural(self.num_stages, 'stage')}{split_by}, "
+                    f"{plural(self.n_microbatches, 'micro-batch')}")
         if self.ok:
             return f"pipecheck: runner {self.runner!r} matches eager ({len(self.rows)} tensors; {settings})"
         return (f"pipecheck: runner {self.runner!r} does not match eager "

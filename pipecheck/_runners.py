@@ -1,6 +1,7 @@
 """What the built-in runners share, and the "reference" runner.
 
     world = world_for(job, n_ranks=4, engine="pipecheck")   # the job's World, or a shared one
+    results = run_on_world(world, rank_step, spec, job)      # names the part of job pickle refuses
     grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
 
 Built-in runners by name: "reference" (:class:`DetachExecutor` in this
@@ -11,16 +12,19 @@ process), "distributed" (pipecheck's runtime on a World), "torch"
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.nn as nn
 
-from pipecheck._errors import InputError
+from pipecheck._errors import InputError, TaskPickleError, plural
 from pipecheck._job import Job
+from pipecheck._model_factory import ModelFactory
 from pipecheck._pipe import TiedGroup
 from pipecheck._reference import DetachExecutor
 from pipecheck._result import StepResult
-from pipecheck._world import World
+from pipecheck._world import World, pickle_problem
 
 BUILTIN = ("reference", "distributed", "torch")
 
@@ -51,14 +55,57 @@ def world_for(job: Job, n_ranks: int, engine: str) -> World:
     asked = world.world_size if world is not None else job.world_size if job.world_size is not None else n_ranks
     if asked != n_ranks:
         have = "the World has" if world is not None else "world_size is"
+        fits = asked * job.stages_per_rank
         raise InputError(
-            f"{engine} needs {n_ranks} ranks but {have} {asked}: the split's stages, "
-            f"{job.stages_per_rank} per rank, take {n_ranks} ranks. Fix: cut the model into "
-            f"{asked * job.stages_per_rank} stages (pipe_split() markers, split_spec or "
-            f"policies.balanced_params({asked * job.stages_per_rank})), or use {n_ranks} ranks "
+            f"{engine} needs {plural(n_ranks, 'rank')} but {have} {asked}: the split's stages, "
+            f"{job.stages_per_rank} per rank, take {plural(n_ranks, 'rank')}. Fix: cut the model into "
+            f"{plural(fits, 'stage')} (pipe_split() markers, split_spec or "
+            f"policies.balanced_params({fits})), or use {plural(n_ranks, 'rank')} "
             f"(World({n_ranks}) / world_size={n_ranks})."
         )
     return world if world is not None else World.shared(n_ranks, job.device)
+
+
+def run_on_world(world: World, fn: Callable[..., Any], spec: Any, job: Job) -> list[Any]:
+    """``world.run(fn, spec)`` for ``job``; if pickle refuses, the error names the job's part it refused."""
+    try:
+        return world.run(fn, spec, timeout=job.timeout)
+    except TaskPickleError as err:
+        raise unpicklable_part(job) or err from err.__cause__
+
+
+_TOP_LEVEL = "a top-level function of an importable module (def ... at module level), not a lambda or a nested function"
+_DATA = "tensors or plain data: live objects (open files, locks, generators, lambdas) cannot travel to the ranks"
+
+
+def unpicklable_part(job: Job) -> TaskPickleError | None:
+    """A TaskPickleError naming the first part of ``job`` that cannot be pickled (None if all can)."""
+    source = job.model.source if isinstance(job.model, ModelFactory) else job.model
+    if isinstance(source, nn.Module):
+        model = f"the model ({type(source).__name__})"
+        model_fix = f"pass a zero-argument factory that builds it, defined as {_TOP_LEVEL}"
+    else:
+        model, model_fix = f"the model factory {_name(source)!r}", f"define it as {_TOP_LEVEL}"
+    parts: list[tuple[str, Any, str]] = [
+        (model, source, model_fix),
+        (f"loss_fn {_name(job.loss_fn)!r}", job.loss_fn, f"define it as {_TOP_LEVEL}"),
+        ("target", job.target, f"pass {_DATA}"),
+        *((f"args[{i}]", value, f"pass {_DATA}") for i, value in enumerate(job.args)),
+        *((f"kwargs[{name!r}]", value, f"pass {_DATA}") for name, value in job.kwargs.items()),
+        ("split_spec", job.split_spec, "map module FQNs to pc.SplitPoint values"),
+        ("policy", job.policy, f"use a policy from pc.policies, or one defined as {_TOP_LEVEL}"),
+        ("schedule", job.schedule, "pass a schedule name or a pipecheck.schedules.Schedule"),
+    ]
+    for what, value, fix in parts:
+        error = pickle_problem(value)
+        if error is not None:
+            return TaskPickleError(f"{what} cannot be pickled to send it to the ranks "
+                                   f"({type(error).__name__}: {error}). Fix: {fix}.")
+    return None
+
+
+def _name(fn: Any) -> str:
+    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__)
 
 
 def merge_stage_grads(stage_grads: Mapping[int, Mapping[str, torch.Tensor]], tied_groups: Sequence[TiedGroup]

@@ -21,7 +21,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from pipecheck._errors import ScheduleError
+from pipecheck._errors import ScheduleError, plural
 
 Dependencies = Mapping[int, Collection[int]]
 Key = tuple[str, int, int]  # (kind, stage, micro-batch): an action as data
@@ -275,8 +275,8 @@ def render(schedule: ScheduleLike, timeline: Timeline, with_head: bool = True) -
                 line += "   <-- ERROR HERE"
         lines.append(line.rstrip())
     head = (
-        f"{schedule.name}: {schedule.n_stages} stages on {_n_ranks(schedule)} ranks, "
-        f"{schedule.n_microbatches} micro-batches, "
+        f"{schedule.name}: {plural(schedule.n_stages, 'stage')} on {plural(_n_ranks(schedule), 'rank')}, "
+        f"{plural(schedule.n_microbatches, 'micro-batch')}, "
     )
     if not timeline.stuck:
         head += f"{timeline.n_steps} steps, bubble {bubble(schedule, timeline):.1%}"

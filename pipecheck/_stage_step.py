@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from pipecheck._microbatch import merge_microbatches
 from pipecheck._pipe import Stage
+from pipecheck._torch_warnings import torch_internal_warnings_ignored
 
 LeafGrads = list[torch.Tensor | None]
 InputGradKey = tuple[int, str, int]  # (consuming stage, model input name, micro-batch)
@@ -118,7 +119,8 @@ def stage_backward(stage: Stage, fwd: StageForward, output_grads: Sequence[LeafG
     wrt = [leaf for leaves in input_leaves for leaf in leaves] + [p for _, p in params]
     if not roots or not wrt:
         return [_none_grads(v) for v in fwd.inputs], {}
-    grads = list(torch.autograd.grad(roots, wrt, seeds, allow_unused=True))
+    with torch_internal_warnings_ignored():  # cuBLAS's context warning from autograd's CUDA thread
+        grads = list(torch.autograd.grad(roots, wrt, seeds, allow_unused=True))
     param_grads = {fqn: g for (fqn, _), g in zip(params, grads[len(wrt) - len(params):]) if g is not None}
     position = 0
     input_grads: list[LeafGrads] = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,11 +26,12 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._autograd_functions import functions_as_calls, functions_in_export
-from pipecheck._errors import RankError
+from pipecheck._errors import RankError, plural
 from pipecheck._inputs import cast_inputs
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
 from pipecheck._microbatch import split_microbatches, unwrap_replicated
 from pipecheck._model_factory import ModelFactory
+from pipecheck._torch_warnings import torch_internal_warnings_ignored
 from pipecheck._worker import RankContext
 from pipecheck.losses import MicrobatchLoss
 
@@ -276,15 +276,14 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     args, kwargs = unwrap_replicated((args, kwargs))
     ctx.action = "pipeline() trace"
     traced: list[fx.GraphModule] = []
-    with warnings.catch_warnings():  # torch's own pipeline() deep-copies a TreeSpec: its deprecation, not ours
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+    with torch_internal_warnings_ignored():  # pipeline() exports and deep-copies TreeSpecs
         with functions_in_export() as functions:  # pipeline() exports: keep custom Functions' backward
             pipe = pipeline(model, tuple(mb_args), dict(mb_kwargs),
                             split_policy=_translate_markers(spec.keep_markers, traced))
     functions.refuse_lost(model, traced[0].graph)
     if pipe.num_stages != spec.n_stages:
-        raise TorchStepError(f"torch's pipeline() cut the model into {pipe.num_stages} stages where pipecheck "
-                             f"cut {spec.n_stages}")
+        raise TorchStepError(f"torch's pipeline() cut the model into {plural(pipe.num_stages, 'stage')} where "
+                             f"pipecheck cut {spec.n_stages}")
     mine = list(range(ctx.rank, pipe.num_stages, ctx.world_size))
     ctx.stage = mine[0]
     stray = _non_last_outputs(pipe.split_gm, pipe.num_stages)
@@ -325,7 +324,9 @@ def _step(ctx: RankContext, prep: _Prepared) -> TorchRankResult:
     losses: list[torch.Tensor] = []
     step_kwargs: dict[str, Any] = {"target": prep.target, "losses": losses} if last else {}
     ctx.stage, ctx.action = mine[0], "schedule.step"
-    outputs = prep.schedule.step(*(prep.args if first else ()), **(prep.kwargs if first else {}), **step_kwargs)
+    with torch_internal_warnings_ignored():  # cuBLAS's context warning from autograd's CUDA thread
+        outputs = prep.schedule.step(*(prep.args if first else ()), **(prep.kwargs if first else {}),
+                                     **step_kwargs)
     ctx.stage, ctx.action = mine[0], "collect grads"
     result = TorchRankResult(ctx.rank, losses=[loss.detach().cpu().reshape(()) for loss in losses])
     if last:

@@ -52,13 +52,14 @@ from pipecheck._errors import (
     RankError,
     RankFailedError,
     RankTimeoutError,
+    TaskPickleError,
     WorldError,
 )
 from pipecheck._job import Job
 from pipecheck._markers import SplitPoint
 from pipecheck._pipe import COMPUTE_OPS, Pipe
 from pipecheck._result import StepResult
-from pipecheck._runners import merge_stage_grads, ranks_needed, world_for
+from pipecheck._runners import merge_stage_grads, ranks_needed, run_on_world, world_for
 from pipecheck._torch_rank import TorchRankResult, TorchStepError, TorchStepSpec, torch_rank_step
 from pipecheck._traced import normalize_split_spec
 from pipecheck.schedules import make_schedule
@@ -140,7 +141,9 @@ def run_torch(job: Job) -> StepResult:
             "per rank (NCCL), device='cpu', or runner='distributed' (pipecheck's runtime stages GPU tensors "
             "through host memory).", engine=ENGINE)
     try:
-        results = world.run(torch_rank_step, spec, timeout=job.timeout)
+        results = run_on_world(world, torch_rank_step, spec, job)
+    except TaskPickleError:
+        raise  # the job cannot travel to the ranks: not torch's failure
     except WorldError as err:
         raise engine_error(err, job) from err
     failed = [r.failure for r in results if r.failure is not None]

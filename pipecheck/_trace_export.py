@@ -23,6 +23,7 @@ from pipecheck._errors import InputError, TraceError
 from pipecheck._inputs import bind_signature
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
 from pipecheck._microbatch import unwrap_replicated
+from pipecheck._torch_warnings import torch_internal_warnings_ignored
 from pipecheck._traced import Traced, resolve, try_resolve, unused_spec
 
 
@@ -30,7 +31,7 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     dynamic_shapes = _batch_dynamic_shapes(bind_signature(model, args, kwargs))  # Replicated: static
     args, kwargs = unwrap_replicated((args, kwargs))
     try:
-        with functions_in_export() as functions:
+        with functions_in_export() as functions, torch_internal_warnings_ignored():
             exported = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as err:  # export raises many kinds; the message names the construct
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""

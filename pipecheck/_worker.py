@@ -229,12 +229,24 @@ def _tie_lifetime_to_parent(config: WorkerConfig) -> None:
     watchdog.start()
 
 
+def _thread_lock_for_tqdm() -> None:
+    """torch.fx's Interpreter makes a (disabled) tqdm bar, and tqdm's first bar creates a
+    multiprocessing lock: a semaphore the resource tracker then reports as leaked once a faulted
+    rank is killed. A rank writes no shared progress bars; a thread lock is all it needs."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _join_world(config: WorkerConfig, board: StageBoard) -> RankContext:
     if sys.platform.startswith("linux"):
         # Every rank lives on this host: loopback always works, whatever the
         # hostname resolves to. A value the user set wins.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(config.threads)
+    _thread_lock_for_tqdm()
     device = torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

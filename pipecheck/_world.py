@@ -93,18 +93,33 @@ def _task_name(fn: object) -> str:
 
 
 def _pickle_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    for what, value in (("fn", fn), ("args", args), ("kwargs", kwargs)):
-        try:
-            pickle.dumps(value)
-        except Exception as error:
-            raise TaskPickleError(
-                f"World.run(): {what} cannot be pickled to send it to the ranks "
-                f"({type(error).__name__}: {error}). fn must be a top-level function of an "
-                "importable module (not a lambda, a nested function or a bound method of an "
-                "unpicklable object), and args/kwargs must be picklable: move fn to module "
-                "level, or pass data instead of live objects."
-            ) from error
-    return pickle.dumps(TaskCall(fn, args, dict(kwargs)))
+    try:
+        return pickle.dumps(TaskCall(fn, args, dict(kwargs)))
+    except Exception as whole:
+        parts = [("fn", fn), *((f"args[{i}]", a) for i, a in enumerate(args)),
+                 *((f"kwargs[{k!r}]", v) for k, v in kwargs.items())]
+        what, error = "the task", whole
+        for part, value in parts:
+            problem = pickle_problem(value)
+            if problem is not None:
+                what, error = part, problem
+                break
+        raise TaskPickleError(
+            f"World.run(): {what} cannot be pickled to send it to the ranks "
+            f"({type(error).__name__}: {error}). fn must be a top-level function of an "
+            "importable module (not a lambda, a nested function or a bound method of an "
+            "unpicklable object), and args/kwargs must be picklable: move fn to module "
+            "level, or pass data instead of live objects."
+        ) from error
+
+
+def pickle_problem(value: Any) -> Exception | None:
+    """What ``pickle.dumps(value)`` raises, or None if it pickles."""
+    try:
+        pickle.dumps(value)
+    except Exception as error:
+        return error
+    return None
 
 
 class _TorchrunRank:

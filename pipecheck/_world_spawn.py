@@ -57,6 +57,45 @@ SHUTDOWN_GRACE_S = 3.0  # close(): time to leave the process group before SIGTER
 KILL_GRACE_S = 1.0  # time between SIGTERM and SIGKILL
 RESTART_NOTE = "The world's processes were stopped; the next run() starts fresh ones."
 TMPDIR_PREFIX = "pipecheck-world-"  # then the driver's pid: pipecheck-world-1234-abcd
+RANK_NAME = "pipecheck-rank"  # then the rank: the process name of a spawned rank
+# A spawned rank that finds itself starting ranks while it imports the user's script (no main guard)
+# exits with this status, silently; the driver then raises one message for all ranks.
+UNGUARDED_MAIN_EXIT = 92
+UNGUARDED_MAIN = (
+    "this script starts pipecheck's worker processes at module level (a World, "
+    "assert_equivalent(runner='distributed' or 'torch'), run_pipeline), outside a main guard. Each "
+    "worker imports the script again (as multiprocessing's spawn and forkserver start methods do) and would start workers "
+    "of its own, so no worker started.\n"
+    "Fix: put the script's work under a main guard:\n"
+    "    if __name__ == \"__main__\":\n"
+    "        main()"
+)
+
+
+def in_spawned_import() -> bool:
+    """True while a spawned child process imports the parent's main script (its bootstrapping phase)."""
+    return bool(getattr(multiprocessing.process.current_process(), "_inheriting", False))
+
+
+def _exit_now(status: int) -> None:
+    """Leave the process with ``status`` (a forkserver's child turns any SystemExit raised while it
+    imports the main script into status 1: only os._exit keeps the status)."""
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def refuse_unguarded_main() -> None:
+    """Stop a missing main guard before it starts ranks from inside a spawned child.
+
+    Called wherever ranks would start. In one of pipecheck's own ranks the process exits
+    quietly with :data:`UNGUARDED_MAIN_EXIT` and the driver reports it once; in any other
+    spawned child it is a :class:`WorldStartError` saying what to fix.
+    """
+    if not in_spawned_import():
+        return
+    if multiprocessing.current_process().name.startswith(RANK_NAME):
+        _exit_now(UNGUARDED_MAIN_EXIT)
+    raise WorldStartError(UNGUARDED_MAIN)
 
 
 def process_context() -> Any:  # a SpawnContext or ForkServerContext
@@ -192,6 +231,7 @@ class SpawnedRanks:
         return os.path.join(self.tmpdir, f"rank{rank}.stack")
 
     def start(self) -> None:
+        refuse_unguarded_main()
         spawn = process_context()
         n = self.properties.world_size
         sweep_stale_tmpdirs()
@@ -220,7 +260,7 @@ class SpawnedRanks:
                 proc = spawn.Process(
                     target=worker_main,
                     args=(config, worker_end, self.board),
-                    name=f"pipecheck-rank{rank}",
+                    name=f"{RANK_NAME}{rank}",
                 )
                 proc.start()
                 worker_end.close()
@@ -234,8 +274,8 @@ class SpawnedRanks:
     def _await_ready(self) -> None:
         n, props = self.properties.world_size, self.properties
         deadline = time.monotonic() + self.start_timeout
-        pending, problems = set(range(n)), []
-        while pending and time.monotonic() < deadline:
+        pending, problems, unguarded = set(range(n)), [], False
+        while pending and not unguarded and time.monotonic() < deadline:
             waitables: dict[Any, int] = {self.conns[r]: r for r in pending} | {
                 self.procs[r].sentinel: r for r in pending
             }
@@ -248,10 +288,11 @@ class SpawnedRanks:
                     message = receive(self.conns[rank])
                 except (EOFError, OSError):
                     self.procs[rank].join(KILL_GRACE_S)
+                    unguarded = unguarded or self.procs[rank].exitcode == UNGUARDED_MAIN_EXIT
                     problems.append(
                         f"rank {rank} {_exit_status(self.procs[rank].exitcode)} before joining the "
-                        "world; its stderr above says why. A script that creates a World must do "
-                        "so under `if __name__ == '__main__':` (workers re-import the main module)."
+                        "world; its stderr above says why (every rank imports the main script "
+                        "again: code at its module level runs in each rank)."
                     )
                     continue
                 if isinstance(message, StartFailed):
@@ -262,6 +303,8 @@ class SpawnedRanks:
                     problems.append(f"rank {rank} sent {message!r} instead of Ready")
             if problems:
                 break
+        if unguarded:
+            raise WorldStartError(UNGUARDED_MAIN)
         if pending and not problems:
             stacks = self.dump_stacks(dict.fromkeys(pending, 0))
             problems.extend(

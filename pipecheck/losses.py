@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecheck._errors import LossError
+from pipecheck._errors import LossError, PipecheckError
 from pipecheck._microbatch import split_microbatches
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -64,7 +64,7 @@ def projection_loss(outputs: Any, target: Any) -> torch.Tensor:
 def check_scalar_loss(loss: Any, loss_fn: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         seen = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise LossError(f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} returned {seen}; it must return a "
+        raise LossError(f"loss_fn {_name(loss_fn)!r} returned {seen}; it must return a "
                         "scalar tensor. Fix: reduce it (e.g. reduction='mean' or .mean()).")
     return loss.reshape(())
 
@@ -100,4 +100,32 @@ class MicrobatchLoss:
         return default_microbatch_target(outputs, microbatch) if self.default else self.targets[microbatch]
 
     def __call__(self, microbatch: int, outputs: Any) -> torch.Tensor:
-        return check_scalar_loss(self.loss_fn(outputs, self.target(microbatch, outputs)), self.loss_fn)
+        target = self.target(microbatch, outputs)
+        try:
+            loss = self.loss_fn(outputs, target)
+        except PipecheckError:
+            raise
+        except Exception as err:
+            first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+            raise LossError(
+                f"loss_fn {_name(self.loss_fn)!r} raised {type(err).__name__}: {first} on micro-batch "
+                f"{microbatch} of {len(self.targets)} (outputs: {_describe(outputs)}; target: "
+                f"{_describe(target)}). Fix: make loss_fn(outputs, target) work on one micro-batch: "
+                "outputs and target are split on dim 0, so each call sees 1/n_microbatches of the batch."
+            ) from err
+        return check_scalar_loss(loss, self.loss_fn)
+
+
+def _name(fn: Any) -> str:
+    return str(getattr(fn, "__name__", None) or fn)
+
+
+def _describe(value: Any) -> str:
+    """``"Tensor(2, 4) float32"``; a pytree's tensors in order; other values by type."""
+    leaves = pytree.tree_leaves(value)
+    if len(leaves) > 4:
+        return f"{type(value).__name__} of {len(leaves)} leaves"
+    described = [f"Tensor{tuple(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
+                 if isinstance(leaf, torch.Tensor) else type(leaf).__name__ for leaf in leaves]
+    text = ", ".join(described) or "nothing"
+    return text if len(leaves) == 1 and leaves[0] is value else f"{type(value).__name__}: {text}"

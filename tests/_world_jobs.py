@@ -104,3 +104,8 @@ def raise_without_collective(ctx: RankContext, bad_rank: int) -> int:
     if ctx.rank == bad_rank:
         raise RuntimeError(f"rank {ctx.rank} gives up")
     return ctx.rank
+
+
+def exploding_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss_fn that raises, for tests/test_errors.py: on a rank it must become a LossError."""
+    raise ValueError("loss exploded")

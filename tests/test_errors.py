@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch.nn as nn
 
 import pipecheck as pc
 from pipecheck import fixtures
+from pipecheck._errors import TaskPickleError
 
 zoo_models = fixtures.models
 
@@ -161,6 +163,18 @@ CASES: list[tuple[str, Callable[[], Any], type[pc.PipecheckError], tuple[str, ..
      pc.EngineError, ("runner '_broken_runner' failed to run the job", "RuntimeError: engine exploded")),
     ("runner-returns-wrong-type", lambda: _check(runner=_not_a_result),
      pc.EngineError, ("runner '_not_a_result' returned dict", "pc.StepResult")),
+    ("input-dtype-differs-from-model", lambda: _check(args=(X.double(),)),
+     pc.InputError, ("the eager model failed on its inputs (RuntimeError",
+                     "input x is float64 but the model's parameters are float32", "pass dtype=/device=")),
+    ("input-device-differs-from-model", lambda: _check(args=(X.to("meta"),), n_microbatches=2),
+     pc.InputError, ("failed on one micro-batch of its inputs",
+                     "input x is on meta but the model's parameters are on cpu", "pass dtype=/device=")),
+    ("world-size-does-not-fit-the-cut", lambda: _check(runner="distributed", world_size=4),
+     pc.InputError, ("needs 1 rank but world_size is 4", "Fix: cut the model into 4 stages",
+                     "policies.balanced_params(4)", "or use 1 rank (World(1) / world_size=1)")),
+    ("world-size-does-not-fit-the-cut-torch",
+     lambda: _check(runner="torch", world_size=3, policy=pc.policies.balanced_params(2)),
+     pc.InputError, ("needs 2 ranks but world_size is 3", "Fix: cut the model into 3 stages")),
 ]
 
 
@@ -182,3 +196,91 @@ def test_bad_input_raises_a_readable_pipecheck_error(call: Callable[[], Any], er
         assert info.value.__context__ is None or info.value.__suppress_context__
     assert Path(info.traceback[-1].path).resolve().is_relative_to(PIPECHECK_DIR)
     assert len(message.splitlines()) <= 8
+
+
+# --- errors wrapping the user's own code keep it as their cause -----------------------------------
+
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:  # spawned ranks unpickle _world_jobs by name; they inherit sys.path
+    sys.path.insert(0, str(TESTS_DIR))
+import _world_jobs as jobs  # noqa: E402
+
+
+def _two_stages() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+
+
+SPLIT_TWO = {"2": BEGIN}
+X4, Y4 = torch.randn(4, 4), torch.randn(4, 4)
+
+
+@pytest.mark.parametrize("run", [
+    pytest.param(lambda: pc.assert_equivalent(_two_stages, (X4,), split_spec=SPLIT_TWO, loss_fn=jobs.exploding_loss,
+                                              target=Y4, n_microbatches=2, runner="reference"), id="eager"),
+    pytest.param(lambda: pc.DetachExecutor(pc.split(_two_stages(), (X4,), split_spec=SPLIT_TWO)).step(
+        (X4,), loss_fn=jobs.exploding_loss, target=Y4, n_microbatches=2), id="reference"),
+])
+def test_a_raising_loss_fn_is_a_loss_error_naming_it(run: Callable[[], Any]) -> None:
+    with pytest.raises(pc.LossError) as info:
+        run()
+    assert str(info.value) == (
+        "loss_fn 'exploding_loss' raised ValueError: loss exploded on micro-batch 0 of 2 (outputs: Tensor(2, 4) "
+        "float32; target: Tensor(2, 4) float32). Fix: make loss_fn(outputs, target) work on one micro-batch: "
+        "outputs and target are split on dim 0, so each call sees 1/n_microbatches of the batch.")
+    assert isinstance(info.value.__cause__, ValueError)  # the user's traceback stays reachable
+
+
+def test_a_raising_loss_fn_on_a_rank_is_that_rank_s_loss_error() -> None:
+    with pc.World(1, timeout=60, start_timeout=60) as world:
+        with pytest.raises(pc.WorldError) as info:
+            pc.run_pipeline(world, _two_stages, (X4,), n_microbatches=2, loss_fn=jobs.exploding_loss, target=Y4)
+    error = info.value.error  # type: ignore[attr-defined]
+    assert (error.exc_type, error.rank, error.stage) == ("pipecheck._errors.LossError", 0, 0)
+    assert error.message.startswith("loss_fn 'exploding_loss' raised ValueError: loss exploded on micro-batch 0")
+
+
+class WithLambda(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.activation = lambda t: t.relu()  # pickle refuses a lambda
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.activation(self.a(x)))
+
+
+@pytest.mark.parametrize("runner,model,overrides,phrases", [
+    pytest.param("distributed", lambda: _two_stages(), {}, ("the model factory '<lambda>' cannot be pickled",
+                 "Fix: define it as a top-level function of an importable module"), id="factory-lambda"),
+    pytest.param("torch", lambda: _two_stages(), {}, ("the model factory '<lambda>' cannot be pickled",
+                 "Fix: define it as a top-level function"), id="factory-lambda-torch"),
+    pytest.param("distributed", _two_stages, {"loss_fn": lambda out, target: (out - target).square().mean(),
+                                             "target": Y4},
+                 ("loss_fn '<lambda>'", "Fix: define it as a top-level function"), id="loss-fn-lambda"),
+    pytest.param("distributed", WithLambda(), {"split_spec": {"b": BEGIN}},
+                 ("the model (WithLambda) cannot be pickled", "Fix: pass a zero-argument factory"),
+                 id="module-holding-a-lambda"),
+])
+def test_a_job_that_cannot_travel_names_the_part(runner: str, model: Any, overrides: dict[str, Any],
+                                                 phrases: tuple[str, ...]) -> None:
+    world = pc.World(2, timeout=60)  # never started: pickling fails before anything is sent
+    try:
+        with pytest.raises(TaskPickleError) as info:
+            pc.assert_equivalent(model, (X4,), **{"split_spec": SPLIT_TWO, **overrides}, n_microbatches=2,
+                                 runner=runner, world=world)
+    finally:
+        world.close()
+    message = str(info.value)
+    assert "cannot be pickled to send it to the ranks" in message
+    for phrase in phrases:
+        assert phrase in message, message
+    assert world.pids == ()
+
+
+def test_world_run_names_the_argument_it_cannot_pickle() -> None:
+    world = pc.World(1)
+    try:
+        with pytest.raises(TaskPickleError, match=r"World.run\(\): kwargs\['scale'\] cannot be pickled"):
+            world.run(jobs.echo, 1, scale=lambda: 2)
+    finally:
+        world.close()

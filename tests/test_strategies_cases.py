@@ -214,16 +214,24 @@ def test_a_case_lays_its_stages_one_per_rank_unless_told() -> None:
     assert PipelineCase(TWO_LINEARS, {"l1": B}, stages_per_rank=2).world_size == 1
 
 
-def test_check_notes_the_repro_on_errors_outside_pipecheck() -> None:
+def test_check_appends_the_repro_to_a_raising_loss_fn_s_loss_error() -> None:
     def broken_loss(output: Any, target: Any) -> torch.Tensor:
         raise ValueError("loss exploded")
 
     case = PipelineCase(TWO_LINEARS, {"l1": B})
-    with pytest.raises(ValueError, match="loss exploded") as info:
+    with pytest.raises(pc.LossError, match="loss_fn 'broken_loss' raised ValueError: loss exploded") as info:
         case.check(loss_fn=broken_loss)
+    assert "def test_pipeline_case()" in str(info.value)
+    assert "loss_fn=NotImplemented,  # <function" in str(info.value)  # a local: no source form
+
+
+def test_check_notes_the_repro_on_errors_outside_pipecheck() -> None:
+    case = PipelineCase(TWO_LINEARS, {"l1": B})
+    with pytest.raises(TypeError) as info:  # torch's own refusal of a dtype that is not a torch.dtype
+        case.check(dtype="float32")
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "def test_pipeline_case()" in notes
-    assert "loss_fn=NotImplemented,  # <function" in notes  # a local: no source form
+    assert "dtype='float32'" in notes
 
 
 def test_planted_tied_bug_is_found_shrunk_and_reproduced_by_the_printed_script(

@@ -23,7 +23,7 @@ import torch
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from pipecheck._errors import PipecheckError
+from pipecheck._errors import PipecheckError, WorldStartError
 from pipecheck._markers import SplitPoint
 from pipecheck._microbatch import Replicated
 from pipecheck._report import Report
@@ -128,10 +128,13 @@ class PipelineCase:
         """:meth:`run`, and on failure the same error with :meth:`repro` appended.
 
         A :class:`pipecheck.PipecheckError` (an ``EquivalenceError`` included)
-        gets the source in its message; any other exception gets it as a note.
+        gets the source in its message; any other exception gets it as a note. A World that
+        could not start (e.g. a script without a main guard) is not the case's doing: no source.
         """
         try:
             return self.run(runner, **extra)
+        except WorldStartError:
+            raise
         except PipecheckError as err:
             err.args = (f"{err}\n\n{_repro.BANNER}\n\n{self.repro(runner, **extra)}",)
             raise
