@@ -21,7 +21,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "split": ("_markers", "_inputs", "_model_factory", "_microbatch", "losses", "policies", "_trace", "_pipe"),
     "world": ("_worker", "_world_spawn", "_world"),
     "runtime": ("_stage_step", "_reference", "_schedule_sim", "_schedule_data", "_schedule_generators",
-                "schedules", "_timeline", "_comm", "_runtime", "_torch_rank"),
+                "schedules", "_timeline", "_comm", "_runtime", "_torch_schedules", "_torch_rank"),
     "runners": ("_job", "_runners", "_distributed_runner", "_torch_runner"),
     "check": ("_numerics", "_diagnose", "_eager", "_compare", "_report", "_check", "strategies"),
     "faces": ("__init__", "__main__", "_cli", "plugin"),
