@@ -93,6 +93,10 @@ def cmd_zoo(args: argparse.Namespace) -> int:
     runners = args.runners.split(",") if args.runners else available_runners()
     schedules = args.schedules.split(",") if args.schedules else [args.schedule]
     columns = [(runner, schedule) for runner in runners for schedule in schedules]
+    if args.columns:
+        columns = [(column.partition(":")[0], column.partition(":")[2] or args.schedule)
+                   for column in args.columns.split(",")]
+        runners, schedules = list(dict.fromkeys(r for r, _ in columns)), list(dict.fromkeys(s for _, s in columns))
     rows = []
     failed_ours = 0
     started = time.perf_counter()
@@ -118,7 +122,8 @@ def cmd_zoo(args: argparse.Namespace) -> int:
              for runner, schedule in columns]
     headers = ["model", "stages", "cut", *names]
     what = f"schedule {schedules[0]}" if len(schedules) == 1 else f"schedules {', '.join(schedules)}"
-    summary = (f"{len(rows)} models x {len(runners)} runner(s), {args.dtype}, {args.n_microbatches} micro-batches, "
+    across = f"{len(columns)} columns" if args.columns or len(schedules) > 1 else f"{len(runners)} runners"
+    summary = (f"{len(rows)} models x {across}, {args.dtype}, {args.n_microbatches} micro-batches, "
                f"{what}, in {time.perf_counter() - started:.1f}s")
     print(format_plain_table(headers, rows, markdown=args.markdown))
     print(f"\n{summary}")
@@ -206,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"also write the table (markdown) between {BEGIN} and {END} in FILE, e.g. README.md")
     zoo.add_argument("--schedules", help="comma-separated: one column per runner and schedule (V schedules zbv and "
                      "dualpipev run 2 stages per rank); default: --schedule")
+    zoo.add_argument("--columns", metavar="RUNNER:SCHEDULE,...",
+                     help="the table's columns, e.g. distributed:zb,torch:zbv (instead of --runners x --schedules)")
     zoo.add_argument("--stages-per-rank", type=int, default=1, help="for schedules that take any number (default 1)")
     zoo.add_argument("--block", help="with --write-markdown: write between <!-- pipecheck-zoo-BLOCK:begin/end --> "
                      "instead of the main zoo markers")

@@ -201,13 +201,14 @@ class StageExecutor:
 
     def backward(self, s: int, mb: int, posted: dict[Channel, Posted], weights_later: bool = False) -> None:
         """The backward of micro-batch ``mb`` through stage ``s`` (an ``I`` with ``weights_later``)."""
+        kind = "I" if weights_later else "B"
         stage = self.pipe.stages[s]
         fwd = self.forwards.pop((s, mb))
         received: dict[tuple[str, int], LeafGrads] = {}
         for channel in self._outgoing(s):
             start = time.monotonic_ns()
             received[(channel[1], channel[2])] = self.links.finish_grads(posted[channel])
-            self._record("recv", f"{s}B{mb}<-{channel[2]}", start)
+            self._record("recv", f"{s}{kind}{mb}<-{channel[2]}", start)
         out_grads: list[LeafGrads | None] = []
         for name in stage.outputs:
             total: LeafGrads | None = None
@@ -225,7 +226,7 @@ class StageExecutor:
         else:
             in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss, 1.0 / self.n_microbatches)
             add_param_grads(self.result.grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
-        self._record("backward", f"{s}{'I' if weights_later else 'B'}{mb}", start)
+        self._record("backward", f"{s}{kind}{mb}", start)
         sent: dict[tuple[int, str], tuple[Any, LeafGrads]] = {}
         for src, value, grads in zip(stage.inputs, fwd.inputs, in_grads):
             if src.stage is None:
@@ -237,7 +238,7 @@ class StageExecutor:
         for producer, name, _ in self._incoming(s):
             start = time.monotonic_ns()
             self.links.send_grads(producer, name, s, mb, *sent[(producer, name)])
-            self._record("send", f"{s}B{mb}->{producer}", start)
+            self._record("send", f"{s}{kind}{mb}->{producer}", start)
 
     def backward_weight(self, s: int, mb: int) -> None:
         """The weight gradients of micro-batch ``mb`` through stage ``s`` (its ``W``), from the graph its

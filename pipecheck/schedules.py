@@ -129,8 +129,8 @@ def make_schedule(
     if key == "zbv":
         if n_stages % 2:
             fits = " or ".join(str(n) for n in (n_stages - 1, n_stages + 1) if n > 0)
-            raise ScheduleError(f"the 'zbv' schedule needs an even number of stages (two per rank, in a V), "
-                                f"but n_stages={n_stages}; cut the model into {fits} stages, or use 'zb'")
+            raise ScheduleError(f"'zbv' needs an even number of stages (two per rank, in a V), but "
+                                f"n_stages={n_stages}; cut the model into {fits} stages, or use 'zb'")
         return zbv(n_stages // 2, n_microbatches)
     return interleaved_1f1b(ranks_for(n_stages, stages_per_rank), stages_per_rank, n_microbatches)
 

@@ -241,3 +241,19 @@ def test_torch_v_schedules_cannot_run_a_skip_connection(pipecheck_world, schedul
     with pytest.raises(pc.EngineError) as caught:
         check(pipecheck_world(2), "long_skip", schedule, 2)
     assert str(caught.value).splitlines()[0] == "Backward of skip connections not supported yet"
+
+
+def loss_as_a_view(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target).reshape(1)[0]  # the same value, as a 0-dim view
+
+
+def test_torch_zero_bubble_cannot_take_a_loss_that_is_a_view(pipecheck_world) -> None:
+    """torch's input-gradient step detaches the loss in place, which a view refuses."""
+    entry = get("mlp")
+    args, kwargs = entry.inputs()
+    target = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(pc.EngineError) as caught:
+        pc.assert_equivalent(entry.factory(), args, kwargs, runner="torch", schedule="zbv", stages_per_rank=2,
+                             n_microbatches=N_MICROBATCHES, loss_fn=loss_as_a_view, target=target,
+                             world=pipecheck_world(2))
+    assert str(caught.value).startswith("RuntimeError: Can't detach views in-place")
