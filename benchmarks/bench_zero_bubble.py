@@ -73,12 +73,23 @@ def _span_ms(events: list[Event]) -> float:
     return (max(e.end_ns for e in compute) - min(e.start_ns for e in compute)) / 1e6
 
 
+def _work_ms(events: list[Event]) -> dict[str, float]:
+    """Compute time of the step by action kind (F, B, I, W), summed over ranks."""
+    work: dict[str, float] = {}
+    for e in events:
+        if e.category in ("forward", "backward"):
+            kind = next(c for c in e.name if c in "FBIW")
+            work[kind] = work.get(kind, 0.0) + (e.end_ns - e.start_ns) / 1e6
+    return work
+
+
 def bench(width: int, batch: int, microbatches: list[int], rounds: int) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     x, target = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
     factory = Factory(width)
     runs = [(schedule, stages, m) for m in microbatches for schedule, stages in LAYOUTS]
     measured: dict[tuple[str, int, int], list[tuple[float, float]]] = {run: [] for run in runs}
+    work: dict[tuple[str, int, int], list[dict[str, float]]] = {run: [] for run in runs}
     with pc.World(RANKS, timeout=600, threads_per_rank=1) as world:
 
         def step(schedule: str, stages: int, m: int) -> list[Event]:
@@ -93,13 +104,15 @@ def bench(width: int, batch: int, microbatches: list[int], rounds: int) -> list[
             for run in runs:
                 events = step(*run)
                 measured[run].append((measured_bubble_fraction(events), _span_ms(events)))
+                work[run].append(_work_ms(events))
     rows = []
     for schedule, stages, m in runs:
         bubbles = [b for b, _ in measured[(schedule, stages, m)]]
         spans = [s for _, s in measured[(schedule, stages, m)]]
         model = simulated_bubble_fraction(make_schedule(schedule, stages, m, stages // RANKS), durations={"B": 2})
+        kinds = {kind: median([w.get(kind, 0.0) for w in work[(schedule, stages, m)]]) for kind in "FBIW"}
         rows.append({"schedule": schedule, "stages": stages, "m": m, "bubble": median(bubbles),
-                     "bubbles": bubbles, "span_ms": median(spans), "model": model})
+                     "bubbles": bubbles, "span_ms": median(spans), "model": model, "work": kinds})
     return rows
 
 
@@ -130,6 +143,17 @@ def main() -> None:
         "| --- | ---: | ---: | ---: | --- | ---: | ---: |",
         *[f"| {r['schedule']} | {r['stages']} | {r['m']} | {r['bubble']:.3f} | "
           f"{', '.join(f'{b:.2f}' for b in r['bubbles'])} | {r['span_ms']:.0f} | {r['model']:.3f} |" for r in rows],
+        "",
+        "Compute of one step by action kind, summed over both ranks (ms, median over the rounds). pipecheck's W "
+        "walks the stage's graph again from its outputs (plain autograd: bitwise equal to a full backward, and "
+        "right where torch's split fails), so I + W costs more than B: a W recomputes the stage's inner "
+        "input gradients. Stage 0's I is empty (the model input needs no gradient) and its W is a full backward.",
+        "",
+        "| schedule | stages | m | F | B | I | W | backward (B or I + W) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *[f"| {r['schedule']} | {r['stages']} | {r['m']} | "
+          + " | ".join(f"{r['work'][k]:.0f}" if r['work'][k] else "-" for k in "FBIW")
+          + f" | {r['work']['B'] + r['work']['I'] + r['work']['W']:.0f} |" for r in rows],
     ]
     write_section("Zero-bubble schedules (measured bubble against 1F1B)", "\n".join(lines))
     print("\n".join(lines))
