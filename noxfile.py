@@ -45,5 +45,5 @@ def bench(session: nox.Session) -> None:
     """Benchmarks; they rewrite their sections of benchmarks/RESULTS.md."""
     session.install(TORCH)
     session.install("-e", ".[test]")
-    for script in ("bench_split.py", "bench_runtime.py"):
+    for script in ("bench_split.py", "bench_runtime.py", "bench_zero_bubble.py"):
         session.run("python", f"benchmarks/{script}", *session.posargs)

@@ -90,16 +90,11 @@ ALIASES = {
 
 @dataclass(frozen=True)
 class TorchLayout:
-    """How one check runs a torch schedule: the class, whether it takes one stage, where stages go."""
+    """How one check runs a torch schedule: its key, torch's class, and the rank of every stage."""
 
     key: str
     class_name: str
-    single: bool  # the class takes one stage, not a list
     stage_to_rank: tuple[int, ...]
-
-    @property
-    def v_placed(self) -> bool:
-        return TORCH_SCHEDULES[self.key].placement == "v"
 
 
 def _key(name: object) -> str:
@@ -136,7 +131,7 @@ def torch_layout(name: str, n_stages: int, n_microbatches: int, stages_per_rank:
             f"{', '.join(V_PATCH_TORCH)} and this is torch {torch.__version__}. Fix: use torch "
             f"{V_PATCH_TORCH[-1]}, or a loop-placed schedule ('interleaved_zb', 'interleaved').", engine=ENGINE)
     placement = v_shape(n_ranks) if schedule.placement == "v" else round_robin(n_stages, n_ranks)
-    return TorchLayout(key, class_name, single, placement)
+    return TorchLayout(key, class_name, placement)
 
 
 def _layout_problems(schedule: TorchSchedule, n_stages: int, n_mbs: int, per_rank: int) -> list[str]:
