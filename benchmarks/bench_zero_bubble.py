@@ -116,6 +116,25 @@ def bench(width: int, batch: int, microbatches: list[int], rounds: int) -> list[
     return rows
 
 
+def _comparisons(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per zero-bubble schedule against its F/B counterpart at each micro-batch count."""
+    by = {(r["schedule"], r["m"]): r for r in rows}
+    lines = []
+    for zero, base in (("zb", "1f1b"), ("zbv", "interleaved")):
+        for m in sorted({r["m"] for r in rows}):
+            z, b = by[(zero, m)], by[(base, m)]
+            lines.append(f"- {zero} against {base}, m={m}: measured bubble {z['bubble']:.3f} vs {b['bubble']:.3f} "
+                         f"({z['bubble'] - b['bubble']:+.3f}; the model: {z['model'] - b['model']:+.3f}), span "
+                         f"{z['span_ms']:.0f} vs {b['span_ms']:.0f} ms")
+    spread = max(max(r["bubbles"]) - min(r["bubbles"]) for r in rows)
+    gaps = [abs(by[(zero, m)]["bubble"] - by[(base, m)]["bubble"]) for zero, base in (("zb", "1f1b"),
+            ("zbv", "interleaved")) for m in {r["m"] for r in rows}]
+    verdict = ("more than any difference above, so these runs do not resolve them" if max(gaps) < spread
+               else "less than the largest difference above")
+    lines.append(f"- One schedule's bubble varies by up to {spread:.2f} between rounds on this machine, {verdict}.")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -143,6 +162,8 @@ def main() -> None:
         "| --- | ---: | ---: | ---: | --- | ---: | ---: |",
         *[f"| {r['schedule']} | {r['stages']} | {r['m']} | {r['bubble']:.3f} | "
           f"{', '.join(f'{b:.2f}' for b in r['bubbles'])} | {r['span_ms']:.0f} | {r['model']:.3f} |" for r in rows],
+        "",
+        *_comparisons(rows),
         "",
         "Compute of one step by action kind, summed over both ranks (ms, median over the rounds). pipecheck's W "
         "walks the stage's graph again from its outputs (plain autograd: bitwise equal to a full backward, and "
