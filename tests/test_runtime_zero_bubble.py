@@ -169,3 +169,14 @@ def test_weight_gradients_in_another_order_match_eager_but_not_bitwise(pipecheck
     assert any(not torch.equal(got.grads[fqn], grad) for fqn, grad in want.grads.items())
     assert pc.assert_equivalent(entry.factory(), args, kwargs, runner="distributed", schedule=reversed_weights,
                                 world=world, **settings).ok
+
+
+@pytest.mark.parametrize("model", ["SharedGradTied", "BroadcastGradTied", "FrozenTied", "InplaceAfterCut"])
+def test_models_that_once_broke_the_runtime_match_eager_on_zb(pipecheck_world, model):
+    """Autograd handing one tensor to two gradients, a stride-0 gradient, a frozen tied weight and a
+    stage writing into its input, with the backward split in two."""
+    import test_runtime  # the models of test_runtime.py's regression tests (tests/ is on sys.path)
+
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    assert pc.assert_equivalent(getattr(test_runtime, model), (x,), runner="distributed", schedule="zb",
+                                n_microbatches=2, world=pipecheck_world(2)).ok
