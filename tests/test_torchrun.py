@@ -2,7 +2,8 @@
 
 Two torchrun agents on this machine play two nodes (c10d rendezvous on localhost, 2 processes each):
 the 4 ranks check a tied weight whose gradients are all-reduced across the nodes and a skip connection
-under the zero-bubble schedule. One agent with 2 processes checks the V-placed "zbv" schedule. Every
+under the zero-bubble schedule (marked slow: ``pytest -m slow tests/test_torchrun.py``, and the nightly
+nox session). By default one agent with 2 processes checks the V-placed "zbv" schedule. Every
 agent runs in its own session with its output in a file; whatever the outcome, both agents' process
 groups and every rank (torchrun starts each rank in a session of its own) are killed by process id.
 """
@@ -129,6 +130,7 @@ def _statuses(text: str) -> list[tuple[int, str, str]]:
     return sorted((int(r), check, status) for r, check, status in re.findall(r"^RANK (\d+) (\S+) (\w+)$", text, re.M))
 
 
+@pytest.mark.slow  # 28 s alone, 55 s inside `pytest -n auto` on 2 cores; the one-node test below runs by default
 def test_assert_equivalent_across_two_torchrun_nodes(tmp_path: Path) -> None:
     checks = ["tiny_gpt:1f1b", "long_skip:zb"]
     result = launch(tmp_path, nnodes=2, checks=checks)
