@@ -33,11 +33,12 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session
 def nightly(session: nox.Session) -> None:
-    """Many more hypothesis examples (HYPOTHESIS_PROFILE=nightly)."""
+    """Many more hypothesis examples (HYPOTHESIS_PROFILE=nightly), then the tests marked slow."""
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.run("pytest", "-n", "auto", "tests/test_properties.py", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "nightly"})
+    session.run("pytest", "-n", "auto", "-m", "slow")  # e.g. two torchrun agents as two nodes
 
 
 @nox.session
@@ -45,5 +46,5 @@ def bench(session: nox.Session) -> None:
     """Benchmarks; they rewrite their sections of benchmarks/RESULTS.md."""
     session.install(TORCH)
     session.install("-e", ".[test]")
-    for script in ("bench_split.py", "bench_runtime.py"):
+    for script in ("bench_split.py", "bench_runtime.py", "bench_zero_bubble.py"):
         session.run("python", f"benchmarks/{script}", *session.posargs)

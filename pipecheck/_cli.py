@@ -27,6 +27,7 @@ from pipecheck._errors import (
     EquivalenceError,
     InputError,
     PipecheckError,
+    ScheduleError,
     TaskPickleError,
     UsageError,
     WorldError,
@@ -178,6 +179,18 @@ def _device(name: str) -> str:
     return name
 
 
+def _schedule_name(name: str) -> str:
+    """A schedule pipecheck's runtime or runner='torch' knows (names only: torch is not imported)."""
+    from pipecheck._torch_schedules import ALIASES
+    from pipecheck.schedules import SCHEDULE_NAMES
+
+    key = name.strip().lower().replace("-", "_")
+    if key not in ALIASES and key not in SCHEDULE_NAMES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(SCHEDULE_NAMES)}; "
+                                         "runner torch also interleaved_zb, dualpipev and torch's class names)")
+    return name
+
+
 def _dtype(name: str) -> Any:
     import torch
 
@@ -218,6 +231,8 @@ def _cell(run: Callable[[], Any]) -> tuple[str, str]:
         row = report.failures[0]
         hint = report.hints.get(row.name)
         return f"FAIL {row.name}" + (f" ({hint.split(':')[0]})" if hint else ""), "fail"
+    except ScheduleError as err:  # a layout the schedule cannot run, refused before any rank starts
+        return f"n/a: {_refusal(err)}", "pass"
     except PipecheckError as err:
         first = str(err).strip().splitlines()[0]
         return f"ERROR {type(err).__name__}: {first[:70]}", "error"
@@ -225,10 +240,38 @@ def _cell(run: Callable[[], Any]) -> tuple[str, str]:
     return f"pass (max abs {worst:.1e})", "pass"
 
 
+def _refusal(err: Exception) -> str:
+    """The rule a refused layout breaks, in a few words (the message's first problem)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    problem = next((line[2:] for line in lines if line.startswith("- ")), lines[0] if lines else "")
+    return problem.split(";")[0][:80]
+
+
+def stages_per_rank_for(runner: str, schedule: str, default: int) -> int:
+    """The stages per rank ``schedule`` runs on ``runner`` (2 for the V schedules), else ``default``."""
+    from pipecheck._torch_schedules import ALIASES, TORCH_SCHEDULES
+    from pipecheck.schedules import stages_per_rank_of
+
+    if runner == "torch":
+        key = ALIASES.get(schedule.strip().lower().replace("-", "_"))
+        required = TORCH_SCHEDULES[key].stages_per_rank if key else None
+    else:
+        required = stages_per_rank_of(schedule)
+    return default if required is None else required
+
+
 def cmd_zoo(args: argparse.Namespace) -> int:
-    runners = [_runner(spec) for spec in (args.runners.split(",") if args.runners else RUNNERS)]
-    if args.write_markdown:
-        write_marked_block(args.write_markdown, None)  # a file without the markers fails now, not after the zoo
+    schedules = args.schedules.split(",") if args.schedules else [args.schedule]
+    if args.columns:
+        pairs = [(column.partition(":")[0], column.partition(":")[2] or args.schedule)
+                 for column in args.columns.split(",")]
+        schedules = list(dict.fromkeys(schedule for _, schedule in pairs))
+    else:
+        pairs = [(spec, schedule) for spec in (args.runners.split(",") if args.runners else RUNNERS)
+                 for schedule in schedules]
+    columns = [(*_runner(spec), schedule) for spec, schedule in pairs]  # (column, runner, schedule)
+    if args.write_markdown:  # a file without the markers fails now, not after the zoo
+        write_marked_block(args.write_markdown, None, args.block)
     device = _device(args.device)
 
     import pipecheck as pc
@@ -245,12 +288,12 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         style = entry.cut_styles[0]
         call_args, call_kwargs = entry.inputs()
         cells = [entry.name, str(entry.num_stages), style]
-        for column, runner in runners:
+        for column, runner, schedule in columns:
             run = functools.partial(
                 pc.assert_equivalent, entry.factory(style), call_args, call_kwargs, runner=runner,
                 loss_fn=entry.loss_fn, target=entry.target(), n_microbatches=args.n_microbatches,
-                schedule=args.schedule, dtype=_dtype(args.dtype), device=device, timeout=args.timeout,
-                **entry.cut(style))
+                schedule=schedule, stages_per_rank=stages_per_rank_for(column, schedule, args.stages_per_rank),
+                dtype=_dtype(args.dtype), device=device, timeout=args.timeout, **entry.cut(style))
             text, outcome = _cell(run)
             if column not in NOT_COUNTED:
                 outcomes.add(outcome)
@@ -258,37 +301,50 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         rows.append(cells)
         if args.verbose:
             print(" | ".join(cells), file=sys.stderr)
-    headers = ["model", "stages", "cut", *(column for column, _ in runners)]
-    summary = (f"{len(rows)} models x {len(runners)} runners, {args.dtype}, {args.n_microbatches} micro-batches, "
-               f"schedule {args.schedule}, in {time.perf_counter() - started:.1f}s")
+    names = [column if len(schedules) == 1 else schedule if len(set(c for c, _, _ in columns)) == 1
+             else f"{column} {schedule}" for column, _, schedule in columns]
+    headers = ["model", "stages", "cut", *names]
+    what = f"schedule {schedules[0]}" if len(schedules) == 1 else f"schedules {', '.join(schedules)}"
+    across = (f"{len(columns)} columns" if args.columns or len(schedules) > 1
+              else plural(len(columns), "runner"))
+    summary = (f"{plural(len(rows), 'model')} x {across}, {args.dtype}, {plural(args.n_microbatches, 'micro-batch')}, "
+               f"{what}, in {time.perf_counter() - started:.1f}s")
     print(format_plain_table(headers, rows, markdown=args.markdown))
     print(f"\n{summary}")
     if args.write_markdown:
         table = format_plain_table(headers, rows, markdown=True)
         command = " ".join(["python -m pipecheck", *args.argv])
-        write_marked_block(args.write_markdown, f"{table}\n\n_{summary}; generated by `{command}`._")
+        write_marked_block(args.write_markdown, f"{table}\n\n_{summary}; generated by `{command}`._", args.block)
     return 1 if "fail" in outcomes else 3 if "error" in outcomes else 0
 
 
 BEGIN, END = "<!-- pipecheck-zoo:begin -->", "<!-- pipecheck-zoo:end -->"
 
 
-def write_marked_block(path: str, body: str | None) -> None:
-    """Replace the text between the zoo markers in ``path`` (a README) with ``body`` (None: only check)."""
+def markers(block: str | None) -> tuple[str, str]:
+    """The begin/end markers of the zoo table ``block`` (None: the main one)."""
+    name = f"pipecheck-zoo-{block}" if block else "pipecheck-zoo"
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def write_marked_block(path: str, body: str | None, block: str | None = None) -> None:
+    """Replace the text between the zoo markers of ``block`` in ``path`` (a README) with ``body``
+    (None: only check that they are there)."""
     from pathlib import Path
 
+    begin, end = markers(block)
     try:
         text = Path(path).read_text()
     except OSError as err:
         raise UsageError(f"cannot read --write-markdown {path}: {err.strerror}. Fix: give an existing "
                          "markdown file, e.g. README.md.") from None
-    if BEGIN not in text or END not in text:
-        raise UsageError(f"{path} has no {BEGIN} ... {END} block to write the zoo table into. Fix: add "
+    if begin not in text or end not in text:
+        raise UsageError(f"{path} has no {begin} ... {end} block to write the zoo table into. Fix: add "
                          "the two markers where the table belongs.")
     if body is not None:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        Path(path).write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        Path(path).write_text(f"{head}{begin}\n{body}\n{end}{tail}")
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -379,8 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--n-microbatches", type=_at_least(1), default=4, metavar="N",
                        help="micro-batches per step (the batch is split on dim 0)")
-        p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"),
-                       help="pipeline schedule")
+        p.add_argument("--schedule", default="1f1b", type=_schedule_name, metavar="NAME",
+                       help="gpipe, 1f1b, interleaved, zb or zbv; runner torch also interleaved_zb, dualpipev")
         p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                        help="dtype of the model and its floating inputs")
         p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -400,6 +456,14 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--markdown", action="store_true", help="print a markdown table")
     zoo.add_argument("--write-markdown", metavar="FILE",
                      help=f"also write the table (markdown) between {BEGIN} and {END} in FILE, e.g. README.md")
+    zoo.add_argument("--schedules", metavar="NAME,...", help="comma-separated: one column per runner and "
+                     "schedule (V schedules zbv and dualpipev run 2 stages per rank); default: --schedule")
+    zoo.add_argument("--columns", metavar="RUNNER:SCHEDULE,...",
+                     help="the table's columns, e.g. distributed:zb,torch:zbv (instead of --runners x --schedules)")
+    zoo.add_argument("--stages-per-rank", type=_at_least(1), default=1, metavar="N",
+                     help="for schedules that take any number")
+    zoo.add_argument("--block", metavar="NAME", help="with --write-markdown: write between "
+                     "<!-- pipecheck-zoo-NAME:begin/end --> instead of the main zoo markers")
     zoo.add_argument("-v", "--verbose", action="store_true", help="print each row to stderr as it is done")
     common(zoo)
     zoo.set_defaults(func=cmd_zoo)

@@ -10,7 +10,9 @@ them (a skip connection comes straight from its producer), runs the stage and
 sends each output to every consumer; a backward receives its outputs'
 gradients from every consumer, sums them in descending consumer order (as the
 reference does), and sends its inputs' gradients straight back to their
-producers. After the last action, gradients of tied parameters are
+producers. A zero-bubble schedule splits a backward: its ``I`` does all of
+that but keeps the weight gradients for the matching ``W``, which computes them
+later from the same graph. After the last action, gradients of tied parameters are
 all-reduced among the ranks holding replicas, so every replica ends with the
 full gradient. The driver side (planning, merging) is the "distributed" runner.
 """
@@ -36,10 +38,13 @@ from pipecheck._reference import sum_stage_grads
 from pipecheck._stage_step import (
     InputGradKey,
     LeafGrads,
+    PendingWeights,
     StageForward,
     add_leaf_grads,
     add_param_grads,
     stage_backward,
+    stage_backward_input,
+    stage_backward_weight,
     stage_forward,
 )
 from pipecheck._timeline import Event
@@ -138,6 +143,7 @@ class StageExecutor:
         self.result = RankResult(self.rank)
         self.loss_values: dict[int, torch.Tensor] = {}
         self.owned: dict[int, set[str]] = {}  # per stage: gradients summed in place (see add_param_grads)
+        self.weights_pending: dict[tuple[int, int], PendingWeights] = {}  # (stage, mb): I ran, W has not
 
     def _mine(self, stage: int) -> bool:
         return self.stage_to_rank[stage] == self.rank
@@ -163,6 +169,8 @@ class StageExecutor:
     def _post(self, action: Action) -> dict[Channel, Posted]:
         """Post every receive ``action`` needs, in canonical channel order."""
         s, mb = action.stage, action.microbatch
+        if action.kind == "W":
+            return {}  # a weight gradient needs nothing from another rank
         if action.kind == "F":
             return {channel: self.links.post_value(*channel, mb) for channel in self._incoming(s)}
         outputs = dict(zip(self.pipe.stages[s].outputs, self.forwards[(s, mb)].outputs))
@@ -170,7 +178,9 @@ class StageExecutor:
 
     def _can_prefetch(self, action: Action) -> bool:
         """A backward's gradient shapes are its forward's outputs; a forward needs known layouts."""
-        if action.kind == "B":
+        if action.kind == "W":
+            return True
+        if action.kind in ("B", "I"):
             return (action.stage, action.microbatch) in self.forwards
         return all(self.links.can_post_value(*channel) for channel in self._incoming(action.stage))
 
@@ -204,14 +214,16 @@ class StageExecutor:
         self.result.outputs[mb] = _detached(list(fwd.outputs))  # to the host once, after the step
         self.result.losses[mb] = self.loss_values[mb].detach()
 
-    def backward(self, s: int, mb: int, posted: dict[Channel, Posted]) -> None:
+    def backward(self, s: int, mb: int, posted: dict[Channel, Posted], weights_later: bool = False) -> None:
+        """The backward of micro-batch ``mb`` through stage ``s`` (an ``I`` with ``weights_later``)."""
+        kind = "I" if weights_later else "B"
         stage = self.pipe.stages[s]
         fwd = self.forwards.pop((s, mb))
         received: dict[tuple[str, int], LeafGrads] = {}
         for channel in self._outgoing(s):
             start = time.monotonic_ns()
             received[(channel[1], channel[2])] = self.links.finish_grads(posted[channel])
-            self._record("recv", f"{s}B{mb}<-{channel[2]}", start)
+            self._record("recv", f"{s}{kind}{mb}<-{channel[2]}", start)
         out_grads: list[LeafGrads | None] = []
         for name in stage.outputs:
             total: LeafGrads | None = None
@@ -222,10 +234,14 @@ class StageExecutor:
             out_grads.append(total)
         start = time.monotonic_ns()
         last = s == self.pipe.num_stages - 1
-        in_grads, p_grads = stage_backward(stage, fwd, out_grads, self.loss_values.pop(mb) if last else None,
-                                           1.0 / self.n_microbatches)
-        add_param_grads(self.result.grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
-        self._record("backward", f"{s}B{mb}", start)
+        loss = self.loss_values.pop(mb) if last else None
+        if weights_later:  # the weight gradients wait for this micro-batch's W
+            in_grads, self.weights_pending[(s, mb)] = stage_backward_input(stage, fwd, out_grads, loss,
+                                                                           1.0 / self.n_microbatches)
+        else:
+            in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss, 1.0 / self.n_microbatches)
+            add_param_grads(self.result.grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
+        self._record("backward", f"{s}{kind}{mb}", start)
         sent: dict[tuple[int, str], tuple[Any, LeafGrads]] = {}
         for src, value, grads in zip(stage.inputs, fwd.inputs, in_grads):
             if src.stage is None:
@@ -237,7 +253,23 @@ class StageExecutor:
         for producer, name, _ in self._incoming(s):
             start = time.monotonic_ns()
             self.links.send_grads(producer, name, s, mb, *sent[(producer, name)])
-            self._record("send", f"{s}B{mb}->{producer}", start)
+            self._record("send", f"{s}{kind}{mb}->{producer}", start)
+
+    def backward_weight(self, s: int, mb: int) -> None:
+        """The weight gradients of micro-batch ``mb`` through stage ``s`` (its ``W``), from the graph its
+        ``I`` kept; accumulated in the order the W run (micro-batch order in pipecheck's schedules)."""
+        start = time.monotonic_ns()
+        p_grads = stage_backward_weight(self.pipe.stages[s], self.weights_pending.pop((s, mb)))
+        add_param_grads(self.result.grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
+        self._record("backward", f"{s}W{mb}", start)
+
+    def run_action(self, action: Action, posted: dict[Channel, Posted]) -> None:
+        if action.kind == "F":
+            self.forward(action.stage, action.microbatch, posted)
+        elif action.kind == "W":
+            self.backward_weight(action.stage, action.microbatch)
+        else:
+            self.backward(action.stage, action.microbatch, posted, weights_later=action.kind == "I")
 
     def sync_tied(self) -> None:
         """All-reduce (sum) tied parameters' gradients so every replica holds the full gradient."""
@@ -280,7 +312,7 @@ class StageExecutor:
             # a receive posted before this action's sends can deadlock (gloo matches by tag).
             if self.ctx.backend != "nccl" and i + 1 < len(actions) and self._can_prefetch(actions[i + 1]):
                 posted[i + 1] = self._post(actions[i + 1])
-            (self.forward if action.kind == "F" else self.backward)(action.stage, action.microbatch, posted.pop(i))
+            self.run_action(action, posted.pop(i))
         self.ctx.action = "wait sends"
         self.links.wait_sends()
         self.ctx.action = "tied all-reduce"

@@ -1,14 +1,18 @@
 """Check and draw a schedule by simulating it: every action takes one clock cycle.
 
-    problems = structure_problems(schedule)          # each (stage, mb) F and B once, on its rank, F first
+    problems = structure_problems(schedule)          # each (stage, mb) F once and B once (or I and W)
     timeline = simulate(schedule, producers)         # when each action runs; who is stuck, if any
     print(render(schedule, timeline))                # the grid, "<-- ERROR HERE" on stuck ranks
 
-Timing model: each action takes one unit; a rank runs its list strictly in
-order; an action starts at the first step after all of its dependencies
-finished (sends are asynchronous and free). ``F(s, m)`` depends on ``F(p, m)``
-for every producer stage ``p`` of ``s``; ``B(s, m)`` depends on ``F(s, m)`` and
-on ``B(c, m)`` for every consumer stage ``c`` of ``s``.
+Timing model: each action takes one unit (or ``durations[kind]`` units); a
+rank runs its list strictly in order; an action starts at the first step
+after all of its dependencies finished (sends are asynchronous and free).
+``F(s, m)`` depends on ``F(p, m)`` for every producer stage ``p`` of ``s``;
+``B(s, m)`` depends on ``F(s, m)`` and on the gradient of micro-batch ``m``
+from every consumer stage ``c`` of ``s``: ``B(c, m)``, or ``I(c, m)`` where the
+schedule splits that backward. ``I(s, m)`` depends on what ``B(s, m)`` would;
+``W(s, m)`` on ``I(s, m)`` (the weight gradients need the output gradients
+that I received).
 
 This module reads any object shaped like :class:`pipecheck.schedules.Schedule`
 (``n_stages``, ``n_microbatches``, ``stage_to_rank``, ``actions``, ``name``) whose
@@ -25,6 +29,7 @@ from pipecheck._errors import ScheduleError, plural
 
 Dependencies = Mapping[int, Collection[int]]
 Key = tuple[str, int, int]  # (kind, stage, micro-batch): an action as data
+KINDS = ("F", "B", "I", "W")  # forward, backward, and a backward's input-gradient and weight-gradient halves
 
 
 class ActionLike(Protocol):
@@ -88,8 +93,8 @@ def _n_ranks(schedule: ScheduleLike) -> int:
 
 
 def structure_problems(schedule: ScheduleLike) -> list[str]:
-    """Every way the action lists break the rules (each (stage, mb) one F and one B, on the rank
-    holding the stage, F first), in one list."""
+    """Every way the action lists break the rules (each (stage, mb) one F and either one B or one I
+    and one W, on the rank holding the stage, F first, I before W), in one list."""
     n_stages, n_mbs, n_ranks = schedule.n_stages, schedule.n_microbatches, _n_ranks(schedule)
     problems = [
         f"{name} must be a positive integer ({name}={value!r})"
@@ -111,7 +116,9 @@ def structure_problems(schedule: ScheduleLike) -> list[str]:
     for rank, row in enumerate(schedule.actions):
         for position, action in enumerate(row):
             where = f"rank {rank}, position {position}: {action}"
-            if not 0 <= action.stage < n_stages:
+            if action.kind not in KINDS:
+                problems.append(f"{where} has kind {action.kind!r}; kinds are {', '.join(KINDS)}")
+            elif not 0 <= action.stage < n_stages:
                 problems.append(
                     f"{where} refers to stage {action.stage}, but stages are 0..{n_stages - 1}"
                 )
@@ -134,34 +141,49 @@ def structure_problems(schedule: ScheduleLike) -> list[str]:
     return problems + _count_and_order_problems(schedule, places)
 
 
+def _missing(stage: int, mb: int, places: Mapping[Key, list[tuple[int, int]]]) -> list[str]:
+    """The actions (stage, mb) lacks: its F, and a B, or whichever half of a split backward is absent."""
+    missing = [] if ("F", stage, mb) in places else [label(("F", stage, mb))]
+    halves = [kind for kind in ("I", "W") if (kind, stage, mb) in places]
+    if ("B", stage, mb) not in places:
+        wanted = [kind for kind in ("I", "W") if kind not in halves] if halves else ["B"]
+        missing += [label((kind, stage, mb)) for kind in wanted]
+    return missing
+
+
 def _count_and_order_problems(
     schedule: ScheduleLike, places: Mapping[Key, list[tuple[int, int]]]
 ) -> list[str]:
     problems: list[str] = []
-    missing = [
-        label((kind, stage, mb))
-        for stage in range(schedule.n_stages)
-        for mb in range(schedule.n_microbatches)
-        for kind in ("F", "B")
-        if (kind, stage, mb) not in places
-    ]
+    split = any(kind in ("I", "W") for kind, _, _ in places)
+    missing = [name for stage in range(schedule.n_stages) for mb in range(schedule.n_microbatches)
+               for name in _missing(stage, mb, places)]
     if missing:
+        rule = "one F and either one B or one I and one W" if split else "one F and one B"
         problems.append(
             f"missing {len(missing)} action(s): {' '.join(missing)} "
-            "(every stage runs one F and one B per micro-batch)"
+            f"(every stage runs {rule} per micro-batch)"
         )
     for k, where_all in places.items():
         if len(where_all) > 1:
             at = ", ".join(f"rank {r} position {p}" for r, p in where_all)
             problems.append(f"{label(k)} appears {len(where_all)} times ({at}); keep exactly one")
     for (kind, stage, mb), where_all in places.items():
-        forward = places.get(("F", stage, mb), [])
-        if kind == "B" and len(where_all) == 1 and len(forward) == 1:
-            (rank, b_pos), (f_rank, f_pos) = where_all[0], forward[0]
-            if rank == f_rank and b_pos < f_pos:
+        if kind == "B" and any((half, stage, mb) in places for half in ("I", "W")):
+            problems.append(
+                f"{label((kind, stage, mb))} and a split backward ({label(('I', stage, mb))}/"
+                f"{label(('W', stage, mb))}) both appear; a micro-batch's backward is one B, or one I "
+                "then one W"
+            )
+        before = {"B": "F", "I": "F", "W": "I"}.get(kind)
+        earlier = places.get((before, stage, mb), []) if before else []
+        if before is not None and len(where_all) == 1 and len(earlier) == 1:
+            (rank, pos), (e_rank, e_pos) = where_all[0], earlier[0]
+            if rank == e_rank and pos < e_pos:
+                what = "forward" if before == "F" else "input gradient"
                 problems.append(
-                    f"rank {rank} runs {label((kind, stage, mb))} (position {b_pos}) before its forward "
-                    f"{label(('F', stage, mb))} (position {f_pos}); move the F earlier"
+                    f"rank {rank} runs {label((kind, stage, mb))} (position {pos}) before its {what} "
+                    f"{label((before, stage, mb))} (position {e_pos}); move the {before} earlier"
                 )
     return problems
 
@@ -204,15 +226,21 @@ def _producer_map(n_stages: int, dependencies: Dependencies | None) -> dict[int,
     return {stage: frozenset(producers) for stage, producers in source.items()}
 
 
-def _needs(k: Key, producers: Mapping[int, frozenset[int]], consumers: Mapping[int, list[int]]) -> list[Key]:
+def _needs(k: Key, producers: Mapping[int, frozenset[int]], consumers: Mapping[int, list[int]],
+           split: frozenset[tuple[int, int]]) -> list[Key]:
+    """What action ``k`` waits for; ``split`` holds the (stage, mb) whose backward is I + W."""
     kind, s, m = k
     if kind == "F":
         return [("F", p, m) for p in sorted(producers.get(s, ()))]
-    return [("F", s, m)] + [("B", c, m) for c in consumers.get(s, [])]
+    if kind == "W":
+        return [("I", s, m)]
+    return [("F", s, m)] + [("I" if (c, m) in split else "B", c, m) for c in consumers.get(s, [])]
 
 
-def simulate(schedule: ScheduleLike, dependencies: Dependencies | None = None) -> Timeline:
-    """Run the action lists under unit times (producers default to the chain ``s - 1 -> s``)."""
+def simulate(schedule: ScheduleLike, dependencies: Dependencies | None = None,
+             durations: Mapping[str, int] | None = None) -> Timeline:
+    """Run the action lists (producers default to the chain ``s - 1 -> s``); each action takes
+    ``durations.get(kind, 1)`` steps."""
     producers = _producer_map(schedule.n_stages, dependencies)
     consumers: dict[int, list[int]] = {}
     for stage, sources in sorted(producers.items()):
@@ -221,33 +249,37 @@ def simulate(schedule: ScheduleLike, dependencies: Dependencies | None = None) -
     for targets in consumers.values():
         targets.sort()
     rows = [[key(a) for a in row] for row in schedule.actions]
+    split = frozenset((s, m) for row in rows for kind, s, m in row if kind == "I")
+    cost = {kind: 1 for kind in KINDS} | dict(durations or {})
     starts: list[list[int]] = [[] for _ in rows]
-    done: set[Key] = set()
+    finish: dict[Key, int] = {}  # the step from which an action's results are visible
+    free = [0] * len(rows)  # the step from which each rank can start its next action
     step = 0
     while any(len(starts[r]) < len(row) for r, row in enumerate(rows)):
-        ran: list[Key] = []
         unmet: dict[int, list[Key]] = {}
         for rank, row in enumerate(rows):
-            if len(starts[rank]) == len(row):
+            if len(starts[rank]) == len(row) or free[rank] > step:
                 continue
             action = row[len(starts[rank])]
-            waiting = [need for need in _needs(action, producers, consumers) if need not in done]
+            waiting = [need for need in _needs(action, producers, consumers, split)
+                       if finish.get(need, step + 1) > step]
             if waiting:
                 unmet[rank] = waiting
             else:
                 starts[rank].append(step)
-                ran.append(action)
-        if not ran:
-            return Timeline(starts, step, unmet)
-        done.update(ran)  # results become visible at the next step
+                free[rank] = finish[action] = step + cost[action[0]]
+        if len(unmet) == sum(len(starts[r]) < len(row) for r, row in enumerate(rows)) \
+                and all(at <= step for at in free):
+            return Timeline(starts, step, unmet)  # nobody ran, nobody is busy: a deadlock
         step += 1
-    return Timeline(starts, step, {})
+    return Timeline(starts, max(finish.values(), default=0), {})
 
 
-def bubble(schedule: ScheduleLike, timeline: Timeline) -> float:
-    """Idle rank-steps / all rank-steps of ``timeline``."""
+def bubble(schedule: ScheduleLike, timeline: Timeline, durations: Mapping[str, int] | None = None) -> float:
+    """Idle rank-steps / all rank-steps of ``timeline`` (simulated with ``durations``)."""
     total = timeline.n_steps * _n_ranks(schedule)
-    busy = sum(len(row) for row in schedule.actions)
+    cost = dict(durations or {})
+    busy = sum(cost.get(action.kind, 1) for row in schedule.actions for action in row)
     return (total - busy) / total if total else 0.0
 
 

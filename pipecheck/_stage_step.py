@@ -2,6 +2,9 @@
 
     fwd = stage_forward(stage, values)                # values: one per stage.inputs
     in_grads, p_grads = stage_backward(stage, fwd, output_grads)
+    # or split in two (zero-bubble schedules): input gradients now, weight gradients later
+    in_grads, pending = stage_backward_input(stage, fwd, output_grads)
+    p_grads = stage_backward_weight(stage, pending)
 
 Each stage is its own autograd graph: every tensor crossing into a stage is
 detached (keeping ``requires_grad``), and its gradient comes back out of
@@ -134,6 +137,60 @@ def stage_backward(stage: Stage, fwd: StageForward, output_grads: Sequence[LeafG
                 leaf_grads.append(None)
         input_grads.append(leaf_grads)
     return input_grads, param_grads
+
+
+@dataclass
+class PendingWeights:
+    """What a stage's input-gradient half (I) of one micro-batch leaves for its weight-gradient half (W):
+    the roots of that micro-batch's graph (kept alive until W) and the gradients that seed them."""
+
+    roots: list[torch.Tensor]
+    seeds: list[torch.Tensor]
+
+
+def _seeded_roots(fwd: StageForward, output_grads: Sequence[LeafGrads | None] | None,
+                  loss: torch.Tensor | None, loss_scale: float) -> PendingWeights:
+    """The tensors a backward starts from, with their gradients (as :func:`stage_backward` builds them)."""
+    pending = PendingWeights([], [])
+    if loss is not None and loss.requires_grad:
+        pending.roots.append(loss)
+        pending.seeds.append(torch.full_like(loss, loss_scale))
+    for value, grads in zip(fwd.outputs, output_grads or ()):
+        for leaf, grad in zip(pytree.tree_leaves(value), grads or ()):
+            if grad is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                pending.roots.append(leaf)
+                pending.seeds.append(grad)
+    return pending
+
+
+def stage_backward_input(stage: Stage, fwd: StageForward, output_grads: Sequence[LeafGrads | None] | None = None,
+                         loss: torch.Tensor | None = None, loss_scale: float = 1.0
+                         ) -> tuple[list[LeafGrads], PendingWeights]:
+    """The input-gradient half (I) of one micro-batch's backward: per-input leaf gradients now, and
+    what :func:`stage_backward_weight` needs later. Together they compute what :func:`stage_backward`
+    does, bit for bit (the same autograd graph, walked twice: inputs first, then parameters).
+
+    The graph is kept (``retain_graph``) until the weight half runs; the weight half must run once,
+    with this micro-batch's :class:`PendingWeights`.
+    """
+    pending = _seeded_roots(fwd, output_grads, loss, loss_scale)
+    leaves = [leaf for value in fwd.inputs for leaf in _grad_leaves(value)]
+    if not pending.roots or not leaves:
+        return [_none_grads(v) for v in fwd.inputs], pending
+    grads = iter(torch.autograd.grad(pending.roots, leaves, pending.seeds, retain_graph=True, allow_unused=True))
+    input_grads = [[next(grads) if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
+                    for leaf in pytree.tree_leaves(value)] for value in fwd.inputs]
+    return input_grads, pending
+
+
+def stage_backward_weight(stage: Stage, pending: PendingWeights) -> dict[str, torch.Tensor]:
+    """The weight-gradient half (W) of one micro-batch's backward: parameter gradients by FQN.
+    Frees the micro-batch's graph."""
+    params = trainable_params(stage)
+    if not pending.roots or not params:
+        return {}
+    grads = torch.autograd.grad(pending.roots, [p for _, p in params], pending.seeds, allow_unused=True)
+    return {fqn: g for (fqn, _), g in zip(params, grads) if g is not None}
 
 
 def _none_grads(value: Any) -> LeafGrads:

@@ -31,6 +31,7 @@ from pipecheck._inputs import cast_inputs
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
 from pipecheck._microbatch import split_microbatches, unwrap_replicated
 from pipecheck._model_factory import ModelFactory
+from pipecheck._torch_schedules import TORCH_SCHEDULES, v_warmup_patch
 from pipecheck._torch_warnings import torch_internal_warnings_ignored
 from pipecheck._worker import RankContext
 from pipecheck.losses import MicrobatchLoss
@@ -50,12 +51,14 @@ class TorchStepSpec:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     target: Any
     n_microbatches: int
-    schedule: str  # "gpipe" | "1f1b" | "interleaved"
+    schedule: str  # a key of pipecheck._torch_schedules.TORCH_SCHEDULES: "gpipe", "1f1b", "zbv", ...
     n_stages: int
     module_cuts: dict[str, SplitPoint]  # module FQN -> cut before/after its call
     keep_markers: bool  # False for a policy: pipecheck drops the model's markers then
     out_spec_json: str  # the model's output structure (torch's stages return flat leaves); a TreeSpec
     # itself pickles only with a deprecation warning, so it travels as treespec_dumps text
+    torch_class: str = ""  # torch's schedule class (empty: the one TORCH_SCHEDULES gives for the layout)
+    stage_to_rank: tuple[int, ...] = ()  # where each stage runs (empty: stage s on rank s % world size)
 
     @property
     def out_spec(self) -> pytree.TreeSpec:
@@ -216,28 +219,27 @@ def _chunk_specs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
     return pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)
 
 
-def _schedule(key: str, stages: list[Any], n: int, loss: Callable[..., torch.Tensor],
+def _schedule(spec: TorchStepSpec, stages: list[Any], loss: Callable[..., torch.Tensor],
               chunk_specs: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
-    from torch.distributed import pipelining as tp
-    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS
+    from torch.distributed.pipelining import schedules
 
-    options: dict[str, Any] = {"n_microbatches": n, "loss_fn": loss, "scale_grads": True, "args_chunk_spec": chunk_specs[0],
-               "kwargs_chunk_spec": chunk_specs[1]}
-    if len(stages) == 1 and key != "interleaved":
-        single = {"gpipe": tp.ScheduleGPipe, "1f1b": tp.Schedule1F1B}[key]
-        return single(stages[0], **options)
-    multi = {"gpipe": ScheduleLoopedBFS, "interleaved": tp.ScheduleInterleaved1F1B}[key]  # 1f1b: 1 stage/rank
-    return multi(stages, **options)
+    chosen = TORCH_SCHEDULES[spec.schedule]
+    single = len(stages) == 1 and chosen.single is not None
+    cls = getattr(schedules, spec.torch_class or str(chosen.single if single else chosen.multi))
+    options: dict[str, Any] = {"n_microbatches": spec.n_microbatches, "loss_fn": loss, "scale_grads": True,
+                               "args_chunk_spec": chunk_specs[0], "kwargs_chunk_spec": chunk_specs[1]}
+    return cls(stages[0], **options) if issubclass(cls, schedules.PipelineScheduleSingle) else cls(stages, **options)
 
 
 def _report_actions(ctx: RankContext, stage: Any) -> None:
     """Name the stage and action on ``ctx`` whenever torch runs one of this stage's chunks."""
     index = stage.stage_index
-    for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+    for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
         run = getattr(stage, method)
 
         def reported(mb: int, *args: Any, _run: Any = run, _kind: str = kind, **kwargs: Any) -> Any:
-            ctx.stage, ctx.action = index, f"{index}{_kind}{mb} (torch)"
+            split = _kind == "B" and kwargs.get("full_backward") is False  # a zero-bubble schedule's I
+            ctx.stage, ctx.action = index, f"{index}{'I' if split else _kind}{mb} (torch)"
             return _run(mb, *args, **kwargs)
 
         setattr(stage, method, reported)  # on torch's stage object of this step, never the user's model
@@ -284,7 +286,8 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     if pipe.num_stages != spec.n_stages:
         raise TorchStepError(f"torch's pipeline() cut the model into {plural(pipe.num_stages, 'stage')} where "
                              f"pipecheck cut {spec.n_stages}")
-    mine = list(range(ctx.rank, pipe.num_stages, ctx.world_size))
+    placement = spec.stage_to_rank or tuple(s % ctx.world_size for s in range(pipe.num_stages))
+    mine = [s for s, rank in enumerate(placement) if rank == ctx.rank]
     ctx.stage = mine[0]
     stray = _non_last_outputs(pipe.split_gm, pipe.num_stages)
     if stray:
@@ -296,11 +299,14 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     stages = [pipe.build_stage(s, ctx.device, ctx.group) for s in mine]
     for stage in stages:
         _report_actions(ctx, stage)
+        if any(placement[s] == ctx.rank for s in (stage.stage_index - 1, stage.stage_index + 1)
+               if 0 <= s < pipe.num_stages):
+            v_warmup_patch(stage, stage.group_rank)  # a neighbour stage on this rank: the turn of a V
     target = cast_inputs(spec.target, None, ctx.device)
     torch_target, by_index = _torch_target(target, n, ctx.device)
     loss = _LossOfMicrobatch(spec, target, by_index)
     ctx.action = "schedule"
-    schedule = _schedule(spec.schedule, stages, n, loss, chunk_specs)
+    schedule = _schedule(spec, stages, loss, chunk_specs)
     named_inputs = dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
     return _Prepared(stages, schedule, spec.out_spec, torch_target, tuple(args), dict(kwargs), names, by_id,
                      buffer_names, pipe.num_stages, named_inputs)

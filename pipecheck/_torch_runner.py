@@ -5,9 +5,15 @@
 
 This is the driver side; every rank (``_torch_rank.py``) traces the job's model
 with torch's own ``pipeline()``, builds its stage(s) with ``Pipe.build_stage``
-and runs one ``step`` of torch's schedule
+and runs one ``step`` of torch's schedule: any of torch's seven
 ("gpipe" -> ``ScheduleGPipe`` (``ScheduleLoopedBFS`` with several stages per
-rank), "1f1b" -> ``Schedule1F1B``, "interleaved" -> ``ScheduleInterleaved1F1B``).
+rank), "1f1b" -> ``Schedule1F1B``, "interleaved" -> ``ScheduleInterleaved1F1B``,
+"zb" / "interleaved_zb" -> ``ScheduleInterleavedZeroBubble`` (one / any number
+of stages per rank), "zbv" -> ``ScheduleZBVZeroBubble``, "dualpipev" ->
+``ScheduleDualPipeV``, or torch's class names; ``pipecheck._torch_schedules``).
+The layout (stages per rank, placement, micro-batch count) is checked against
+torch's rules on the driver before any rank starts; "zbv" and "dualpipev" place
+stages in a V (stage ``r`` and ``2p - 1 - r`` on rank ``r``).
 The job's cut is translated so torch cuts where pipecheck cuts:
 
 - ``pipecheck.pipe_split()`` markers (the op ``pipecheck::pipe_split`` in the
@@ -61,17 +67,11 @@ from pipecheck._pipe import COMPUTE_OPS, Pipe
 from pipecheck._result import StepResult
 from pipecheck._runners import merge_stage_grads, ranks_needed, run_on_world, world_for
 from pipecheck._torch_rank import TorchRankResult, TorchStepError, TorchStepSpec, torch_rank_step
+from pipecheck._torch_schedules import TORCH_SCHEDULES, torch_layout
 from pipecheck._traced import normalize_split_spec
-from pipecheck.schedules import make_schedule
 
 ENGINE = "torch.distributed.pipelining"
 _OWN_ERROR = f"{TorchStepError.__module__}.{TorchStepError.__qualname__}"
-
-
-def schedule_key(schedule: str) -> str:
-    """torch's name for a pipecheck schedule name (already validated by pipecheck's make_schedule)."""
-    key = schedule.strip().lower().replace("-", "_")
-    return "interleaved" if key == "interleaved_1f1b" else key
 
 
 def policy_module_cuts(pipe: Pipe) -> dict[str, SplitPoint]:
@@ -116,16 +116,17 @@ def policy_module_cuts(pipe: Pipe) -> dict[str, SplitPoint]:
 def plan_torch_step(job: Job, pipe: Pipe) -> TorchStepSpec:
     """What every rank gets: the job's inputs and torch's cut and schedule for ``pipe``."""
     if not isinstance(job.schedule, str):
-        raise InputError("runner='torch' takes a schedule name ('gpipe', '1f1b', 'interleaved'), not "
+        raise InputError(f"runner='torch' takes a schedule name ({', '.join(map(repr, TORCH_SCHEDULES))}), not "
                          f"{type(job.schedule).__name__}: torch builds its own schedule.")
-    make_schedule(job.schedule, pipe.num_stages, job.n_microbatches, job.stages_per_rank)  # pipecheck's rules
+    # torch's rules for the layout, checked here: torch itself checks few, and some only inside a rank
+    layout = torch_layout(job.schedule, pipe.num_stages, job.n_microbatches, job.stages_per_rank)
     if job.policy is not None:
         cuts, keep_markers = policy_module_cuts(pipe), False
     else:
         cuts, keep_markers = normalize_split_spec(job.build_model(), job.split_spec or {}), True
     return TorchStepSpec(job.model, job.args, job.kwargs, job.loss_fn, job.target, job.n_microbatches,
-                         schedule_key(job.schedule), pipe.num_stages, cuts, keep_markers,
-                         pytree.treespec_dumps(pipe.out_spec))
+                         layout.key, pipe.num_stages, cuts, keep_markers, pytree.treespec_dumps(pipe.out_spec),
+                         layout.class_name, layout.stage_to_rank)
 
 
 def run_torch(job: Job) -> StepResult:

@@ -66,7 +66,9 @@ def check_scalar_loss(loss: Any, loss_fn: Any) -> torch.Tensor:
         seen = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise LossError(f"loss_fn {_name(loss_fn)!r} returned {seen}; it must return a "
                         "scalar tensor. Fix: reduce it (e.g. reduction='mean' or .mean()).")
-    return loss.reshape(())
+    # A 0-dim loss is kept as it is, not made a view of itself: torch's zero-bubble schedules detach the
+    # loss in place after its input-gradient backward, which a view refuses ("Can't detach views in-place").
+    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 DEFAULT_SEED = 0x5EED

@@ -173,7 +173,7 @@ CASES: list[tuple[str, Callable[[], Any], type[pc.PipecheckError], tuple[str, ..
      pc.InputError, ("needs 1 rank but world_size is 4", "Fix: cut the model into 4 stages",
                      "policies.balanced_params(4)", "or use 1 rank (World(1) / world_size=1)")),
     ("world-size-does-not-fit-the-cut-torch",
-     lambda: _check(runner="torch", world_size=3, policy=pc.policies.balanced_params(2)),
+     lambda: _check(runner="torch", world_size=3, policy=pc.policies.balanced_params(2), n_microbatches=2),
      pc.InputError, ("needs 2 ranks but world_size is 3", "Fix: cut the model into 3 stages")),
 ]
 

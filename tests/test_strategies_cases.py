@@ -157,13 +157,28 @@ def test_generated_layouts_always_fit(case: PipelineCase) -> None:
     assert case.spec.batch % case.n_microbatches == 0
     assert case.world_size * case.stages_per_rank == case.num_stages
     assert 1 <= case.world_size <= 2 and case.stages_per_rank <= 2
-    assert case.schedule != "1f1b" or case.stages_per_rank == 1
+    assert case.schedule not in ("1f1b", "zb") or case.stages_per_rank == 1
+    assert case.schedule != "zbv" or (case.stages_per_rank == 2 and case.num_stages % 2 == 0)
     if case.schedule == "interleaved" and case.stages_per_rank > 1:
         assert case.n_microbatches % case.world_size == 0
     pc.schedules.make_schedule(case.schedule, case.num_stages, case.n_microbatches,
                                case.stages_per_rank)
     assert eval(repr(case), {"PipelineCase": PipelineCase, "SplitPoint": pc.SplitPoint,
                              "torch": torch, **vars(pst)}) == case
+
+
+@FEW
+@given(pst.pipeline_cases(schedules=("zb", "zbv"), max_world_size=2, runners=("distributed",)))
+def test_zero_bubble_cases_get_their_layouts(case: PipelineCase) -> None:
+    want = {"zb": 1, "zbv": 2}[case.schedule]
+    assert case.stages_per_rank == want and case.world_size * want == case.num_stages <= 4
+    pc.schedules.make_schedule(case.schedule, case.num_stages, case.n_microbatches, case.stages_per_rank)
+
+
+def test_zbv_is_drawn_and_shrinks_to_two_stages_on_one_rank() -> None:
+    simplest = find(pst.pipeline_cases(schedules=("zbv",)), lambda _: True, settings=EXACT)
+    assert (simplest.schedule, simplest.num_stages, simplest.stages_per_rank, simplest.world_size) == \
+        ("zbv", 2, 2, 1)
 
 
 def test_the_simplest_case_is_two_linears_in_two_stages_on_gpipe_in_fp32() -> None:
@@ -311,8 +326,10 @@ def test_repr_reproduces_the_call(make: Any, expected: str) -> None:
         (lambda: pst.pipeline_cases(dtypes=()), "dtypes=[] is empty; give at least one"),
         (lambda: pst.pipeline_cases(dtypes=[torch.int32]),
          "dtypes has torch.int32, which is not a floating torch.dtype"),
-        (lambda: pst.pipeline_cases(schedules=["zb"]),
-         "schedules has 'zb'; choose from ['gpipe', '1f1b', 'interleaved']"),
+        (lambda: pst.pipeline_cases(schedules=["zb-h1"]),
+         "schedules has 'zb-h1'; choose from ['gpipe', '1f1b', 'interleaved', 'zb', 'zbv']"),
+        (lambda: pst.pipeline_cases(schedules=["zbv"], max_stages_per_rank=1),
+         "schedules=['zbv'] places 2 stages on each rank (a V), but max_stages_per_rank=1"),
         (lambda: pst.pipeline_cases(max_world_size=0), "max_world_size=0 must be at least 1"),
         (lambda: pst.pipeline_cases(max_microbatches=True), "max_microbatches=True must be an int"),
         (lambda: pst.pipeline_cases(min_stages=5, max_stages=8, max_world_size=2),
@@ -327,7 +344,7 @@ def test_repr_reproduces_the_call(make: Any, expected: str) -> None:
     ],
     ids=["cut-spec-type", "cut-min-zero", "cut-crossed", "cut-max-float", "cut-too-few-layers",
          "inputs-int-dtype", "inputs-spec-none", "cases-models-spec", "cases-runners-str",
-         "cases-runner-unknown", "cases-dtypes-empty", "cases-dtype-int", "cases-schedule",
+         "cases-runner-unknown", "cases-dtypes-empty", "cases-dtype-int", "cases-schedule", "cases-zbv-one-per-rank",
          "cases-world-zero", "cases-microbatches-bool", "cases-stages-do-not-fit",
          "cases-all-problems-at-once", "case-layout", "case-microbatches"],
 )

@@ -104,7 +104,7 @@ def test_unknown_schedule_is_refused_before_any_rank_runs() -> None:
     entry = get("mlp")
     args, kwargs = entry.inputs()
     with pytest.raises(pc.ScheduleError, match="unknown schedule"):
-        pc.assert_equivalent(entry.factory(), args, kwargs, runner="torch", schedule="zb", n_microbatches=4)
+        pc.assert_equivalent(entry.factory(), args, kwargs, runner="torch", schedule="zigzag", n_microbatches=4)
 
 
 def test_targets_torch_cannot_chunk_travel_as_microbatch_indices() -> None:

@@ -460,12 +460,17 @@ class Bf16Boundary(BaseRunner):
         return value
 
 
+# The zero-bubble runner and its mutants build on BaseRunner (defined above, so this import works).
+from .zero_bubble import ZERO_BUBBLE_MUTANT_TYPES, ZeroBubbleRunner  # noqa: E402
+
 MUTANT_TYPES: tuple[type[BaseRunner], ...] = (
     TiedOneStage, TiedSummedTwice, SkipGradDropped, SkipWrongMicrobatch, MergeReversed, GradNotScaled,
     GradScaledTwice, KwargDefaultLater, BufferNotCarried, BufferUpdateNotCarried, GradOverwritten,
     LastMicrobatchDropped,
     AliasedRecvBuffer, Bf16Boundary,
+    *ZERO_BUBBLE_MUTANT_TYPES,
 )
+BASES: tuple[BaseRunner, ...] = (BaseRunner(), ZeroBubbleRunner())  # the correct runners
 MUTANTS: dict[str, BaseRunner] = {t.name: t() for t in MUTANT_TYPES}
 N_MICROBATCHES = 4
 

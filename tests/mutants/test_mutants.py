@@ -10,7 +10,7 @@ import torch
 
 import pipecheck as pc
 
-from .runners import ALL, MUTANTS, BaseRunner, cases, check
+from .runners import ALL, BASES, MUTANTS, BaseRunner, cases, check
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -22,9 +22,9 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("model", ALL)
-def test_base_runner_passes(model: str) -> None:
-    report = check(BaseRunner(), model)
+@pytest.mark.parametrize("base,model", [pytest.param(b, m, id=f"{b.name}-{m}") for b in BASES for m in ALL])
+def test_base_runner_passes(base: BaseRunner, model: str) -> None:
+    report = check(base, model)
     assert report.ok
 
 
@@ -45,7 +45,8 @@ def test_mutant_is_caught(runner: BaseRunner, model: str) -> None:
 
 
 def test_suite_covers_every_planted_bug() -> None:
-    assert len(MUTANTS) >= 12
+    assert len(MUTANTS) >= 17
+    assert {"weight_run_twice", "weight_dropped", "weight_crosses_microbatches"} <= set(MUTANTS)
     assert {model for runner in MUTANTS.values() for model in runner.applies_to} == set(ALL)
     for runner in MUTANTS.values():
         assert set(runner.applies_to) <= set(ALL), runner.name

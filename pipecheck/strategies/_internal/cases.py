@@ -28,7 +28,7 @@ from pipecheck._markers import SplitPoint
 from pipecheck._microbatch import Replicated
 from pipecheck._report import Report
 from pipecheck._runners import BUILTIN
-from pipecheck.schedules import SCHEDULE_NAMES
+from pipecheck.schedules import SCHEDULE_NAMES, stages_per_rank_of
 from pipecheck.strategies._internal import repro as _repro
 from pipecheck.strategies._internal.builder import build, make_inputs
 from pipecheck.strategies._internal.cuts import (
@@ -196,14 +196,15 @@ def pipeline_cases(
     stages, as many as the model allows); ``runner``, ``dtype`` and
     ``schedule`` from the collections given (runner names of ``RUNNER_NAMES``
     or callables ``runner(job) -> StepResult``). The layout always fits:
-    ``world_size = stages / stages_per_rank <= max_world_size``, '1f1b' runs
-    one stage per rank, interleaved with several stages per rank gets a
-    multiple of ``world_size`` micro-batches; ``n_microbatches`` divides the
-    batch (and is at most ``max_microbatches``).
+    ``world_size = stages / stages_per_rank <= max_world_size``, '1f1b' and
+    'zb' run one stage per rank, 'zbv' two (an even number of stages; left out
+    when ``max_stages_per_rank`` is 1), interleaved with several stages per
+    rank gets a multiple of ``world_size`` micro-batches; ``n_microbatches``
+    divides the batch (and is at most ``max_microbatches``).
 
     Shrinks towards fewer layers (and the model's own shrinking), fewer
     stages and earlier cuts, the first runner given, fp32 (when allowed), the
-    simplest schedule (gpipe, 1f1b, interleaved), one stage per rank and one
+    simplest schedule (gpipe, 1f1b, interleaved, zb, zbv), one stage per rank and one
     micro-batch.
     """
     # drawn from again at every example: keep copies of one-shot iterators
@@ -239,14 +240,22 @@ def _draw_pipeline_cases(
     schedule = _pick(draw, config.schedules)
     spec = draw(config.models)
     plan = cut_plan(spec)
-    per_rank_cap = 1 if schedule == "1f1b" else config.max_stages_per_rank
+    fixed = stages_per_rank_of(schedule)  # 1f1b and zb: 1 stage per rank; zbv: 2, in a V
+    per_rank_cap = fixed or config.max_stages_per_rank
     highest = min(config.max_stages, plan.max_stages, config.max_world_size * per_rank_cap)
     if highest < config.min_stages:
         reject()  # the model is too small to cut into min_stages stages
-    n_stages = draw(st.integers(config.min_stages, highest))
+    if fixed == 2:  # zbv: an even number of stages
+        evens = tuple(range(config.min_stages + config.min_stages % 2, highest + 1, 2))
+        if not evens:
+            reject()
+        n_stages = _pick(draw, evens)
+    else:
+        n_stages = draw(st.integers(config.min_stages, highest))
     split_spec = draw_cuts(draw, plan, n_stages)
     layouts = [per_rank for per_rank in range(1, per_rank_cap + 1)
-               if n_stages % per_rank == 0 and n_stages // per_rank <= config.max_world_size]
+               if (fixed is None or per_rank == fixed)
+               and n_stages % per_rank == 0 and n_stages // per_rank <= config.max_world_size]
     if not layouts:
         reject()  # e.g. 3 stages, at most 2 ranks and 2 stages per rank
     stages_per_rank = _pick(draw, tuple(layouts))
@@ -299,6 +308,10 @@ def _checked(
     for schedule in schedule_list:
         if schedule not in SCHEDULES:
             problems.append(f"schedules has {schedule!r}; choose from {list(SCHEDULES)}")
+    if schedule_list and set(schedule_list) <= {"zbv"} and isinstance(max_stages_per_rank, int) \
+            and max_stages_per_rank < 2:
+        problems.append(f"schedules={schedule_list!r} places 2 stages on each rank (a V), but "
+                        f"max_stages_per_rank={max_stages_per_rank}; raise it to 2 or add another schedule")
     for name, value in (("max_world_size", max_world_size),
                         ("max_stages_per_rank", max_stages_per_rank),
                         ("max_microbatches", max_microbatches)):
@@ -321,7 +334,8 @@ def _checked(
         models if isinstance(models, st.SearchStrategy) else _default_models(max(1, sizes[0])),
         tuple(runner_list),
         tuple(sorted(dtype_list, key=lambda d: (_SIMPLEST_DTYPES + (d,)).index(d))),
-        tuple(schedule for schedule in SCHEDULES if schedule in schedule_list),
+        tuple(schedule for schedule in SCHEDULES if schedule in schedule_list
+              and (schedule != "zbv" or sizes[3] >= 2)),
         *sizes,
         cast("int | None", max_microbatches),
     )

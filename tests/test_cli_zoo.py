@@ -1,0 +1,38 @@
+"""`python -m pipecheck zoo` with one column per runner and schedule, written into a named README block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipecheck._cli import main, markers, stages_per_rank_for
+
+
+@pytest.mark.parametrize("runner,schedule,default,want", [
+    ("distributed", "zbv", 1, 2), ("distributed", "zb", 2, 1), ("distributed", "gpipe", 2, 2),
+    ("torch", "dualpipev", 1, 2), ("torch", "ScheduleZBVZeroBubble", 1, 2), ("torch", "interleaved_zb", 2, 2),
+    ("torch", "1f1b", 2, 1),
+])
+def test_each_schedule_gets_the_stages_per_rank_it_runs(runner, schedule, default, want):
+    assert stages_per_rank_for(runner, schedule, default) == want
+
+
+def test_columns_are_written_into_their_block_and_refused_layouts_show_as_na(pipecheck_world, tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture[str]):
+    pipecheck_world(2)  # the shared World the distributed column runs on
+    readme = tmp_path / "README.md"
+    begin, end = markers("zb")
+    readme.write_text(f"intro\n{begin}\nold\n{end}\noutro\n")
+    code = main(["zoo", "--models", "mlp,skip_one", "--columns", "distributed:zbv,reference:zb",
+                 "--write-markdown", str(readme), "--block", "zb"])
+    assert code == 0  # a refusal (n/a) is no failure
+    block = readme.read_text().split(begin)[1].split(end)[0]
+    mlp, skip_one = (next(line for line in block.splitlines() if line.startswith(f"| {name} ")) for name in
+                     ("mlp", "skip_one"))
+    assert "| distributed zbv" in block and "| reference zb" in block
+    assert mlp.count("pass (max abs") == 2
+    assert "n/a: 'zbv' needs an even number of stages" in skip_one
+    assert "12 models" not in block and "2 models x 2 columns" in block
+    assert readme.read_text().startswith("intro\n") and readme.read_text().endswith("outro\n")
+    assert "distributed zbv" in capsys.readouterr().out
