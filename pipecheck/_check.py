@@ -38,7 +38,7 @@ from pipecheck._numerics import ToleranceLike, check_tolerance
 from pipecheck._pipe import split
 from pipecheck._report import Report
 from pipecheck._result import StepResult
-from pipecheck._runners import BUILTIN, run_reference
+from pipecheck._runners import BUILTIN, OPTIONAL, run_reference
 from pipecheck._trace import SplitSpec, check_tracer
 from pipecheck.losses import LossFn, projection_loss
 from pipecheck.policies import Policy
@@ -59,9 +59,11 @@ def resolve_runner(runner: Any) -> tuple[str, Runner]:
         from pipecheck._torch_runner import run_torch
 
         return "torch", run_torch
+    if isinstance(runner, str) and runner in OPTIONAL:
+        return runner, OPTIONAL[runner].load()
     if callable(runner):
         return getattr(runner, "__name__", type(runner).__name__), runner
-    raise InputError(f"runner={runner!r} is not known. Fix: use one of {list(BUILTIN)} or a callable "
+    raise InputError(f"runner={runner!r} is not known. Fix: use one of {[*BUILTIN, *OPTIONAL]} or a callable "
                      "runner(job: pc.Job) -> pc.StepResult.")
 
 

@@ -2,19 +2,32 @@
 
     world = world_for(job, n_ranks=4, engine="pipecheck")   # the job's World, or a shared one
     grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
+    OPTIONAL["deepspeed"].available()                       # is DeepSpeed installed?
 
 Built-in runners by name: "reference" (:class:`DetachExecutor` in this
 process), "distributed" (pipecheck's runtime on a World), "torch"
-(torch.distributed.pipelining on a World).
+(torch.distributed.pipelining on a World), and the optional ones whose engine
+is a separate install (:data:`OPTIONAL`: "deepspeed", "torchtitan").
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from pipecheck._errors import InputError
+from pipecheck._errors import (
+    EngineError,
+    InputError,
+    RankError,
+    RankFailedError,
+    RankTimeoutError,
+    WorldError,
+)
 from pipecheck._job import Job
 from pipecheck._pipe import TiedGroup
 from pipecheck._reference import DetachExecutor
@@ -22,6 +35,40 @@ from pipecheck._result import StepResult
 from pipecheck._world import World
 
 BUILTIN = ("reference", "distributed", "torch")
+OWN = ("reference", "distributed")  # pipecheck's own runners; the others check someone else's engine
+
+
+@dataclass(frozen=True)
+class OptionalRunner:
+    """A built-in runner for an engine installed separately (``pip install "pipecheck[<extra>]"``)."""
+
+    name: str
+    package: str  # the engine's import name, looked up without importing it
+    extra: str
+    runner: str  # "module:function" of the runner inside pipecheck
+
+    def available(self) -> bool:
+        return importlib.util.find_spec(self.package) is not None
+
+    def load(self) -> Any:
+        if not self.available():
+            raise InputError(f"runner={self.name!r} needs {self.package}, which is not installed. Fix: "
+                             f'pip install "pipecheck[{self.extra}]".')
+        module, _, attr = self.runner.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+OPTIONAL: dict[str, OptionalRunner] = {
+    runner.name: runner for runner in (
+        OptionalRunner("deepspeed", "deepspeed", "deepspeed", "pipecheck._deepspeed_runner:run_deepspeed"),
+        OptionalRunner("torchtitan", "torchtitan", "torchtitan", "pipecheck._titan_runner:run_torchtitan"),
+    )
+}
+
+
+def available_runners() -> list[str]:
+    """Every built-in runner's name whose engine is installed here."""
+    return [*BUILTIN, *(name for name, runner in OPTIONAL.items() if runner.available())]
 
 
 def run_reference(job: Job) -> StepResult:
@@ -72,3 +119,33 @@ def merge_stage_grads(stage_grads: Mapping[int, Mapping[str, torch.Tensor]], tie
     replicas = {group.fqn: {s: stage_grads[s][group.fqn] for s in group.stages
                             if group.fqn in stage_grads.get(s, {})} for group in tied_groups}
     return grads, {fqn: by_stage for fqn, by_stage in replicas.items() if by_stage}
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def failure_error(error: RankError, engine: str, when: str, setting: str) -> EngineError:
+    """A rank's failure inside ``engine`` as an EngineError: its message first (what a table cell
+    shows), then the rank, stage and action, the settings and the rank's traceback."""
+    cause = error.causes[-1] if error.causes else (error.exc_type, error.message)
+    message = _first_line(cause[1])
+    first = f"{cause[0].rsplit('.', 1)[-1]}: {message}" if message else cause[0]
+    where = f", during {error.action}" if error.action else ""
+    return EngineError(
+        f"{first}\n{engine} failed on rank {error.rank}, stage {error.stage}, {when}{where}; {setting}.\n"
+        f"Traceback on rank {error.rank}:\n{error.traceback.rstrip()}",
+        engine=engine, rank=error.rank, stage=error.stage, cause=error,
+    )
+
+
+def engine_error(err: WorldError, engine: str, when: str, setting: str) -> EngineError:
+    """A World failure while ``engine`` ran as an EngineError naming the engine, rank and stage."""
+    if isinstance(err, RankFailedError):
+        return failure_error(err.error, engine, when, setting)
+    if isinstance(err, RankTimeoutError):
+        return EngineError(f"{engine} did not finish within {err.timeout} s (rank(s) "
+                           f"{', '.join(map(str, err.ranks))} stuck {when}; {setting}).\n{err}", engine=engine,
+                           rank=err.ranks[0] if err.ranks else None)
+    return EngineError(f"{engine} could not run: {_first_line(str(err))} ({setting})\n{err}", engine=engine,
+                       rank=getattr(err, "rank", None), stage=getattr(err, "stage", None))
