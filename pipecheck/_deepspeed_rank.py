@@ -121,7 +121,14 @@ def import_deepspeed() -> Any:
     """DeepSpeed on the CPU accelerator, wrapping the World's process group (once per process)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the import: no CUDA probing, no warning
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    accelerator = get_accelerator().device_name()
+    if accelerator != "cpu":
+        raise DeepSpeedStepError(
+            f"DeepSpeed chose its {accelerator!r} accelerator in this rank (it was imported before pipecheck set "
+            "DS_ACCELERATOR=cpu, e.g. by a script's top-level import re-run in the rank); pipecheck drives "
+            "DeepSpeed on CPU. Fix: import deepspeed inside `if __name__ == '__main__':`, or set DS_ACCELERATOR=cpu.")
     _skip_shm_op_build()
     deepspeed.utils.logger.setLevel(logging.ERROR)
     deepspeed.init_distributed(dist_backend="gloo")  # the group exists: DeepSpeed only wraps it
@@ -294,6 +301,10 @@ class SplitModelSpec:
     n_microbatches: int
     input_grads_of: tuple[str, ...] = ()  # fed model inputs whose gradients are wanted
 
+    def layout(self, pipe: Pipe, bound: Mapping[str, Any]) -> SplitLayout:
+        """The layer chain: what each boundary carries, and the tied modules."""
+        return split_layout(pipe, bound)
+
     def setup(self, ctx: RankContext) -> EngineSetup:
         from deepspeed.pipe import TiedLayerSpec
 
@@ -301,7 +312,7 @@ class SplitModelSpec:
         args, kwargs = cast_inputs((tuple(self.args), dict(self.kwargs)), None, ctx.device)
         pipe = split(factory, args, kwargs, split_spec=self.split_spec, policy=self.policy, tracer=self.tracer)
         bound = pipe.bind_inputs(args, kwargs)
-        layout = split_layout(pipe, bound)
+        layout = self.layout(pipe, bound)
         constants = {name: unwrap_replicated(bound[name]) for name in layout.constants}
         stage_layers = [PipeStageLayer(stage, layout, constants, self.input_grads_of) for stage in pipe.stages]
         for layer in stage_layers:

@@ -108,21 +108,37 @@ def _merge(pipe: Pipe, results: list[DeepSpeedRankResult], n_microbatches: int) 
 # --- runner="deepspeed": pipecheck's split --------------------------------------------------------------
 
 
+class DeepSpeedRunner:
+    """runner="deepspeed": pipecheck's split of the job's model, each stage one DeepSpeed layer.
+
+    ``spec`` is the rank side's recipe (:class:`SplitModelSpec`, or a subclass that lays the
+    layers out differently).
+    """
+
+    __name__ = "deepspeed"
+
+    def __init__(self, spec: type[SplitModelSpec] = SplitModelSpec) -> None:
+        self.spec = spec
+
+    def __call__(self, job: Job) -> StepResult:
+        _check_job(job, "runner='deepspeed'")
+        pipe = job.structure()
+        bound = pipe.bind_inputs(job.args, job.kwargs)
+        layout = split_layout(pipe, bound)
+        if not layout.feed:
+            raise InputError("runner='deepspeed' needs a model input with a batch dimension: DeepSpeed's data "
+                             f"loader feeds micro-batches, and {list(bound)} has none (all 0-dim, pc.Replicated "
+                             "or not tensors).")
+        wanted = tuple(name for name in layout.feed if bound[name].requires_grad)
+        _refuse(_split_problems(job, layout), f"{pipe.model_name} as pipecheck splits it")
+        spec = self.spec(job.model, job.split_spec, job.policy, pipe.tracer, job.args, dict(job.kwargs),
+                         job.loss_fn, job.target, job.n_microbatches, wanted)
+        return _merge(pipe, _run(job, pipe.num_stages, spec, "runner='deepspeed'"), job.n_microbatches)
+
+
 def run_deepspeed(job: Job) -> StepResult:
     """The "deepspeed" runner: one ``train_batch`` of pipecheck's split of ``job`` through DeepSpeed."""
-    _check_job(job, "runner='deepspeed'")
-    pipe = job.structure()
-    bound = pipe.bind_inputs(job.args, job.kwargs)
-    layout = split_layout(pipe, bound)
-    if not layout.feed:
-        raise InputError("runner='deepspeed' needs a model input with a batch dimension: DeepSpeed's data "
-                         f"loader feeds micro-batches, and {list(bound)} has none (all 0-dim, pc.Replicated "
-                         "or not tensors).")
-    wanted = tuple(name for name in layout.feed if bound[name].requires_grad)
-    _refuse(_split_problems(job, layout), f"{pipe.model_name} as pipecheck splits it")
-    spec = SplitModelSpec(job.model, job.split_spec, job.policy, pipe.tracer, job.args, dict(job.kwargs),
-                          job.loss_fn, job.target, job.n_microbatches, wanted)
-    return _merge(pipe, _run(job, pipe.num_stages, spec, "runner='deepspeed'"), job.n_microbatches)
+    return DeepSpeedRunner()(job)
 
 
 def _split_problems(job: Job, layout: Any) -> list[BoundaryProblem]:

@@ -7,11 +7,15 @@ models skip the modules a torchtitan stage does not keep, as torchtitan's own mo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from pipecheck._deepspeed_layers import SplitLayout
+from pipecheck._deepspeed_rank import SplitModelSpec
 
 WIDTH, VOCAB, SEQ, BATCH = 8, 16, 3, 8
 
@@ -279,3 +283,14 @@ def tokens(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator))
+
+
+
+# --- a planted bug in the DeepSpeed adapter (tests/mutants/test_engine_mutants.py) ----------------------
+
+
+class UntiedSplit(SplitModelSpec):
+    """runner="deepspeed" whose layer chain forgets the tied modules: each stage keeps its own copy."""
+
+    def layout(self, pipe: Any, bound: Any) -> SplitLayout:
+        return dataclasses.replace(super().layout(pipe, bound), tied=())
