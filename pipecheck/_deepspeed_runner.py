@@ -187,11 +187,18 @@ class DeepSpeedLayersRunner:
 
     def __init__(self, layers: Sequence[Any], num_stages: int, partition_method: str = "parameters") -> None:
         self.layers = list(layers)
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= len(self.layers):
+            raise InputError(f"num_stages={num_stages!r} must be an int from 1 to the number of layers "
+                             f"({len(self.layers)}): DeepSpeed gives every stage at least one layer.")
         self.num_stages = num_stages
         self.partition_method = partition_method
         reference = LayerListModel(copy.deepcopy(self.layers))
         self.keys = tuple(reference.keys)
         self.parts = layer_parts(reference, num_stages, partition_method)
+        empty = [s for s, (start, stop) in enumerate(zip(self.parts, self.parts[1:])) if start == stop]
+        if empty:
+            raise InputError(f"DeepSpeed's {partition_method!r} partition {list(self.parts)} leaves stage(s) "
+                             f"{empty} without layers. Fix: fewer stages, or partition_method='uniform'.")
 
     def engine_layers(self) -> list[Any]:
         """The layers DeepSpeed builds: the user's, as given."""
@@ -204,14 +211,14 @@ class DeepSpeedLayersRunner:
         if not isinstance(reference, LayerListModel):
             raise InputError("DeepSpeedLayersRunner checks a layer list against its LayerListModel; use "
                              "pc.engines.deepspeed.check(layers=..., inputs=...).")
+        state = {name: t.detach().cpu().clone() for name, t in reference.state_dict().items()}  # before the dry run
         inputs = job.args[0]
         loss_of = MicrobatchLoss(job.loss_fn, job.target, job.n_microbatches)
         stages = [_layer_range(reference, start, stop) for start, stop in zip(self.parts, self.parts[1:])]
         _refuse(boundary_problems(stages, split_microbatches(inputs, job.n_microbatches)[0],
                                   lambda outputs: loss_of(0, outputs)), "this layer list")
-        state = {name: t.detach().cpu() for name, t in reference.state_dict().items()}
-        spec = LayerListSpec(pickle.dumps(list(self.engine_layers())), self.keys, self.partition_method, self.parts, state,
-                             inputs, job.loss_fn, job.target, job.n_microbatches)
+        spec = LayerListSpec(pickle.dumps(list(self.engine_layers())), self.keys, self.partition_method,
+                             self.parts, state, inputs, job.loss_fn, job.target, job.n_microbatches)
         return _merge(pipe, _run(job, self.num_stages, spec, "DeepSpeed's PipelineEngine"), job.n_microbatches)
 
 

@@ -68,6 +68,15 @@ def plain_layers() -> tuple[list[Any], Any, Any]:
     return layers, _randn(BATCH, WIDTH, seed=1), _randn(BATCH, 4, seed=2)
 
 
+def batchnorm_layers() -> tuple[list[Any], Any, Any]:
+    """BatchNorm in train mode: running statistics every micro-batch updates, in order."""
+    from deepspeed.pipe import LayerSpec
+
+    layers = [LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.BatchNorm1d, WIDTH), LayerSpec(nn.Tanh),
+              LayerSpec(nn.Linear, WIDTH, 4)]
+    return layers, _randn(BATCH, WIDTH, seed=8), _randn(BATCH, 4, seed=9)
+
+
 def tied_layers(untied: bool = False) -> tuple[list[Any], Any, Any]:
     """An LM: a tied embedding that is also the output head. ``untied``: the planted bug, the
     TiedLayerSpec pair replaced by two independent layers (same shapes, same names' layers)."""

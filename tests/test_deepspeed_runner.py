@@ -153,6 +153,7 @@ def _check_layers(world: pc.World, layers: list[Any], inputs: Any, target: Any, 
 @needs_deepspeed
 @pytest.mark.parametrize("make,loss_fn", [
     pytest.param(em.plain_layers, em.mse, id="plain"),
+    pytest.param(em.batchnorm_layers, em.mse, id="batchnorm-buffers"),
     pytest.param(em.tied_layers, em.lm_loss, id="tied-embedding-and-head"),
     pytest.param(lambda: em.chain("SplitSkip", "OnFirst", "OnFirst", "Merge"), em.mse, id="skip-as-tuple"),
 ])
