@@ -284,9 +284,10 @@ def _step(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared, result: TitanR
         result.outputs = pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v,
                                          restructure(outputs, spec.out_spec))
         result.losses = [prep.loss.losses[mb] for mb in range(spec.n_microbatches)]
-    if first:  # torch accumulates into the full-batch inputs through the chunks it made
-        result.input_grads = {name: value.grad.detach().cpu() for name, value in prep.named_inputs.items()
-                              if isinstance(value, torch.Tensor) and value.grad is not None}
+    # torch accumulates into the full-batch inputs through the chunks it made; a keyword input
+    # reaches every rank, so each rank holds the gradient of its own stages' uses
+    result.input_grads = {name: value.grad.detach().cpu() for name, value in prep.named_inputs.items()
+                          if isinstance(value, torch.Tensor) and value.grad is not None}
     for stage, part in zip(prep.stages, prep.parts):
         original = original_names(prep.whole, spec.module_names[stage.stage_index])
         grads: dict[str, torch.Tensor] = {}

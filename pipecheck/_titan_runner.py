@@ -225,9 +225,13 @@ def merge_results(pipe: Pipe, results: list[TitanRankResult]) -> StepResult:
     buffers: dict[str, torch.Tensor] = {}
     for s in sorted(by_stage):  # a buffer pipecheck places on a stage: that stage's copy
         buffers.update({fqn: b for fqn, b in by_stage[s].items() if s in pipe.buffer_stages(fqn)})
+    input_grads: dict[str, torch.Tensor] = {}
+    for result in results:  # a keyword input used on several ranks: the sum of their shares
+        for name, grad in result.input_grads.items():
+            input_grads[name] = input_grads[name] + grad if name in input_grads else grad
     timings = {f"torchtitan_{key}": max(r.timings.get(key, 0.0) for r in results) for key in last.timings}
     return StepResult(outputs=last.outputs, loss=torch.stack(last.losses).mean(), grads=grads,
-                      input_grads={name: g for r in results for name, g in r.input_grads.items()}, buffers=buffers,
+                      input_grads=input_grads, buffers=buffers,
                       timings=timings, stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
                       replica_grads=replicas)
 

@@ -137,6 +137,18 @@ def test_every_zoo_model_matches_eager_through_deepspeed(pipecheck_world: Any, n
 
 
 @needs_deepspeed
+def test_input_gradients_come_back_from_the_first_stage_also_for_inputs_carried_on(pipecheck_world: Any) -> None:
+    entry = get("kwarg_last")  # bias: a keyword input stage 0 passes on to stage 2
+    args, kwargs = entry.inputs()
+    args = tuple(a.requires_grad_() for a in args)
+    kwargs = {name: value.requires_grad_() for name, value in kwargs.items()}
+    report = pc.assert_equivalent(entry.factory(), args, kwargs, runner="deepspeed", n_microbatches=N_MICROBATCHES,
+                                  world=pipecheck_world(3))
+    assert report.ok
+    assert {"grad input x", "grad input bias"} <= {row.name for row in report.rows}
+
+
+@needs_deepspeed
 def test_tied_replicas_are_each_reported_and_each_holds_the_full_gradient(pipecheck_world: Any) -> None:
     report = _zoo_check("tiny_gpt", pipecheck_world(4))
     names = [row.name for row in report.rows]

@@ -122,12 +122,13 @@ def test_a_torchtitan_style_model_matches_eager(pipecheck_world: Any, model: Any
 
 
 @needs_torchtitan
-def test_a_keyword_input_reaches_every_stage(pipecheck_world: Any) -> None:
+def test_a_keyword_input_reaches_every_stage_and_its_gradient_comes_back(pipecheck_world: Any) -> None:
     x, y = em.tokens()
-    gate = em._randn(em.BATCH, em.SEQ, em.WIDTH, seed=9)
+    gate = em._randn(em.BATCH, em.SEQ, em.WIDTH, seed=9).requires_grad_()  # torchtitan reads it on stage 1
     report = pc.assert_equivalent(em.GatedDecoder, (x,), {"gate": gate}, runner="torchtitan", loss_fn=em.lm_loss,
                                   target=y, n_microbatches=N_MICROBATCHES, split_spec=TWO, world=pipecheck_world(2))
     assert report.ok
+    assert report.row("grad input gate").numel == gate.numel()
 
 
 @needs_torchtitan
