@@ -58,7 +58,8 @@ ENGINE = "DeepSpeed"
 
 
 class DeepSpeedStepError(RuntimeError):
-    """DeepSpeed did something pipecheck cannot check (a partition other than the one planned)."""
+    """DeepSpeed set up something pipecheck cannot check: another accelerator than the CPU, a
+    partition other than the one planned, a parameter with no counterpart in the model."""
 
 
 @dataclass
@@ -93,20 +94,21 @@ class DeepSpeedRankResult:
 
 
 class RecordingLoss:
-    """DeepSpeed's loss_fn: the job's loss of micro-batch ``label``; records what it was given."""
+    """DeepSpeed's loss_fn: the job's loss of micro-batch ``label``; records the outputs DeepSpeed
+    gives it and the losses, by micro-batch."""
 
     def __init__(self, loss_of: MicrobatchLoss, restructure: Callable[[Any], Any]) -> None:
         self.loss_of = loss_of
         self.restructure = restructure
-        self.outputs: list[Any] = []
-        self.losses: list[torch.Tensor] = []
+        self.outputs: dict[int, Any] = {}
+        self.losses: dict[int, torch.Tensor] = {}
 
     def __call__(self, outputs: Any, label: torch.Tensor) -> torch.Tensor:
         microbatch = int(label.reshape(-1)[0])
         outputs = self.restructure(outputs)
         loss = self.loss_of(microbatch, outputs)
-        self.outputs.append(pytree.tree_map(_to_cpu, outputs))
-        self.losses.append(loss.detach().cpu())
+        self.outputs[microbatch] = pytree.tree_map(_to_cpu, outputs)
+        self.losses[microbatch] = loss.detach().cpu()
         return loss
 
 
@@ -251,7 +253,9 @@ def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSp
         loss = engine.train_batch(data_iter=iter(setup.batches))
     ctx.action = "collect"
     result.loss = loss.detach().cpu().reshape(())
-    result.outputs, result.losses = setup.loss.outputs, setup.loss.losses
+    recorded = sorted(setup.loss.outputs)
+    result.outputs = [setup.loss.outputs[mb] for mb in recorded]
+    result.losses = [setup.loss.losses[mb] for mb in recorded]
     result.buffers = {setup.engine_fqn(name): b.detach().cpu().clone() for name, b in module.named_buffers()}
     result.input_grads = setup.input_grads(module)
     with _clock(result.timings, "teardown_s"):
