@@ -278,8 +278,10 @@ class BoundaryProblem:
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
+        what = f"{str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+    else:
+        what = type(value).__name__
+    return f"{'an' if what[0] in 'aeiou' else 'a'} {what}"
 
 
 def _as_sent(value: Any, stage: int) -> tuple[list[torch.Tensor], list[BoundaryProblem]]:

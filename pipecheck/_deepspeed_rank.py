@@ -274,11 +274,11 @@ def _teardown(engine: Any, keep: set[Any]) -> None:
     import deepspeed.runtime.pipe.p2p as p2p
 
     engine.destroy()
-    for key in engine.pipe_buffers:
+    for key in engine.pipe_buffers:  # the outputs (and the hooks on their autograd nodes) go first
         engine.pipe_buffers[key] = []
     engine.loss = engine.total_loss = engine.outputs = None
     engine.fwd_outputs = []
-    p2p._groups = p2p._grid = None
+    p2p._groups = p2p._grid = None  # DeepSpeed's p2p module keeps the last engine's groups in globals
     gc.collect()
     dist.barrier()  # no rank may still be talking on a group destroyed below
     for group in [g for g in list(dist.distributed_c10d._world.pg_map) if g not in keep]:

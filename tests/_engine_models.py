@@ -303,3 +303,17 @@ class UntiedSplit(SplitModelSpec):
 
     def layout(self, pipe: Any, bound: Any) -> SplitLayout:
         return dataclasses.replace(super().layout(pipe, bound), tied=())
+
+
+class SizeAcross(nn.Module):
+    """A Python int (a size read on stage 0) used by stage 1: nothing DeepSpeed can send."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        rows = h.shape[0]
+        return self.b(h).reshape(rows, 2, -1)

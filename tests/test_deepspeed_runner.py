@@ -89,6 +89,19 @@ def test_a_chain_deepspeed_can_run_has_no_boundary_problem() -> None:
     assert boundary_problems(stages, torch.randn(2, em.WIDTH), lambda out: out.sum()) == []
 
 
+def test_a_split_passing_a_python_int_is_refused_before_any_rank_starts() -> None:
+    world = pc.World(2)  # never started: the refusal comes first
+    try:
+        with pytest.raises(pc.EngineError, match=r"stage 0 sends a tuple holding \[1\] an int to stage 1") as caught:
+            pc.assert_equivalent(em.SizeAcross, (em._randn(em.BATCH, em.WIDTH, seed=1),), runner="deepspeed",
+                                 n_microbatches=N_MICROBATCHES, split_spec={"b": pc.SplitPoint.BEGINNING},
+                                 world=world)
+        assert (caught.value.engine, caught.value.rank, caught.value.stage) == ("DeepSpeed", 0, 0)
+        assert world.pids == ()
+    finally:
+        world.close()
+
+
 def test_engine_refusals_of_the_job_are_input_errors() -> None:
     entry = get("mlp")
     args, kwargs = entry.inputs()
