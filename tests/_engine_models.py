@@ -90,12 +90,12 @@ def tied_layers(untied: bool = False) -> tuple[list[Any], Any, Any]:
     return layers, tokens, torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
 
 
-def tied_bias_layers() -> tuple[list[Any], Any, Any]:
-    """One Linear (weight and bias) used by both stages through a TiedLayerSpec."""
+def tied_bias_layers(attrs: tuple[str, ...] = ("weight",)) -> tuple[list[Any], Any, Any]:
+    """One Linear (weight and bias) used by both stages through a TiedLayerSpec syncing ``attrs``."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    layers = [TiedLayerSpec("shared", nn.Linear, WIDTH, WIDTH), LayerSpec(nn.Tanh), LayerSpec(Block),
-              TiedLayerSpec("shared", nn.Linear, WIDTH, WIDTH)]
+    layers = [TiedLayerSpec("shared", nn.Linear, WIDTH, WIDTH, tied_weight_attr=list(attrs)), LayerSpec(nn.Tanh),
+              LayerSpec(Block), TiedLayerSpec("shared", nn.Linear, WIDTH, WIDTH, tied_weight_attr=list(attrs))]
     return layers, _randn(BATCH, WIDTH, seed=4), _randn(BATCH, WIDTH, seed=5)
 
 

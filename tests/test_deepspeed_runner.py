@@ -206,6 +206,8 @@ def test_deepspeed_syncs_only_the_tied_weight_attr_so_a_tied_bias_fails(pipechec
     assert "grad tied_modules.shared.bias (replica in stage 1)" in failing
     assert not any("shared.weight" in name for name in failing)  # tied_weight_attr=['weight'] is summed
     assert "tied parameter not synchronised" in caught.value.report.hints["grad tied_modules.shared.bias"]
+    layers, inputs, target = em.tied_bias_layers(("weight", "bias"))  # the fix: name every tied parameter
+    assert _check_layers(pipecheck_world(2), layers, inputs, target).ok
 
 
 @needs_deepspeed
