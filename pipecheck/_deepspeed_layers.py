@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ class SplitLayout:
     constants: tuple[str, ...]  # the other inputs: the same whole value in every micro-batch
     carried: tuple[tuple[Source, ...], ...]  # carried[s]: the bundle stage s receives (s = 0: the feed)
     tied: tuple[TiedParams, ...]
+    scalars: Mapping[Source, str] = field(default_factory=dict)  # carried Python numbers: "int", "float", "bool"
 
     def outgoing(self, stage: int) -> tuple[Source, ...] | None:
         """The bundle ``stage`` sends on (None for the last stage: it returns the model's outputs)."""
@@ -97,11 +98,13 @@ def split_layout(pipe: Pipe, bound: Mapping[str, Any]) -> SplitLayout:
 class PipeStageLayer(nn.Module):
     """One stage of a Pipe as one DeepSpeed layer: bundle in, bundle (or the model's outputs) out.
 
-    It follows DeepSpeed's rules for what crosses a boundary without changing a value: a floating
-    tensor it sends that needs no gradient (a model input or a constant passed on) is sent as a
-    leaf that accepts one, because the sender runs backward on every floating tensor it sent; and
-    every floating tensor it received gets at least a zero gradient, because the receiver sends
-    back the gradient of each (one used only through a comparison would otherwise have none).
+    It follows DeepSpeed's rules for what crosses a boundary without changing a value: a Python
+    number (a size read on one stage and used on a later one) travels as a 0-dim tensor and is a
+    number again on arrival; a floating tensor it sends that needs no gradient (a model input or a
+    constant passed on) is sent as a leaf that accepts one, because the sender runs backward on
+    every floating tensor it sent; and every floating tensor it received gets at least a zero
+    gradient, because the receiver sends back the gradient of each (one used only through a
+    comparison would otherwise have none).
     """
 
     def __init__(self, stage: Stage, layout: SplitLayout, constants: Mapping[str, Any],
@@ -114,6 +117,8 @@ class PipeStageLayer(nn.Module):
         self.incoming = layout.carried[stage.index]
         self.outgoing = layout.outgoing(stage.index)
         self.constants = {Source(None, name): value for name, value in constants.items()}
+        self.scalars = dict(layout.scalars)
+        self.sent_types: dict[Source, type] = {}  # what the last forward sent, before any encoding
         self.record = frozenset(record_input_grads) if stage.index == 0 else frozenset()
         self.recorded: list[dict[str, torch.Tensor]] = []  # stage 0: the inputs whose gradients are wanted
         self.on_forward: Callable[[int, int], None] | None = None  # (stage, micro-batch): names the action
@@ -125,7 +130,8 @@ class PipeStageLayer(nn.Module):
             self.on_forward(self.index, self.calls)
         self.calls += 1
         env = dict(self.constants)
-        env.update(zip(self.incoming, values))
+        env.update((src, _decode(self.scalars[src], v) if src in self.scalars else v)
+                   for src, v in zip(self.incoming, values))
         if self.record:
             self.recorded.append({src.name: env[src].requires_grad_() for src in self.incoming
                                   if src.name in self.record})
@@ -134,9 +140,28 @@ class PipeStageLayer(nn.Module):
             sent = tuple(outputs)
         else:
             env.update((Source(self.index, name), value) for name, value in zip(self.output_names, outputs))
-            sent = tuple(_sendable(env[src]) for src in self.outgoing)
-        received = [v for v in values if v.is_floating_point() and v.requires_grad] if self.index else []
+            self.sent_types = {src: type(env[src]) for src in self.outgoing}
+            sent = tuple(_encode(self.scalars[src], env[src]) if src in self.scalars else _sendable(env[src])
+                         for src in self.outgoing)
+        received = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad
+                    ] if self.index else []
         return _zero_gradients_to(sent, received) if received else sent
+
+
+_SCALARS = {"bool": (bool, torch.bool), "int": (int, torch.int64), "float": (float, torch.float64)}
+
+
+def scalar_kind(kind: type) -> str | None:
+    """"bool", "int" or "float" for a Python number type DeepSpeed must carry as a tensor."""
+    return next((name for name, (python, _) in _SCALARS.items() if issubclass(kind, python)), None)
+
+
+def _encode(kind: str, value: Any) -> torch.Tensor:
+    return torch.tensor(value, dtype=_SCALARS[kind][1])
+
+
+def _decode(kind: str, value: torch.Tensor) -> Any:
+    return _SCALARS[kind][0](value.item())
 
 
 def _sendable(value: Any) -> Any:

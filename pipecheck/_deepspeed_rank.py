@@ -20,6 +20,7 @@ number of DeepSpeed jobs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import io
 import logging
@@ -49,7 +50,7 @@ from pipecheck._errors import RankError
 from pipecheck._inputs import cast_inputs
 from pipecheck._microbatch import split_microbatches, unwrap_replicated
 from pipecheck._model_factory import ModelFactory
-from pipecheck._pipe import Pipe, split
+from pipecheck._pipe import Pipe, Source, split
 from pipecheck._worker import RankContext
 from pipecheck.losses import LossFn, MicrobatchLoss
 from pipecheck.policies import Policy
@@ -304,10 +305,11 @@ class SplitModelSpec:
     target: Any
     n_microbatches: int
     input_grads_of: tuple[str, ...] = ()  # fed model inputs whose gradients are wanted
+    scalars: dict[Source, str] = field(default_factory=dict)  # boundary values that are Python numbers
 
     def layout(self, pipe: Pipe, bound: Mapping[str, Any]) -> SplitLayout:
-        """The layer chain: what each boundary carries, and the tied modules."""
-        return split_layout(pipe, bound)
+        """The layer chain: what each boundary carries (as the driver's dry run found), the tied modules."""
+        return dataclasses.replace(split_layout(pipe, bound), scalars=dict(self.scalars))
 
     def setup(self, ctx: RankContext) -> EngineSetup:
         from deepspeed.pipe import TiedLayerSpec

@@ -22,6 +22,7 @@ model's FQNs, every tied replica as its rank holds it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,8 +34,10 @@ from pipecheck._deepspeed_layers import (
     BoundaryProblem,
     LayerListModel,
     PipeStageLayer,
+    SplitLayout,
     boundary_problems,
     layer_param_counts,
+    scalar_kind,
     split_layout,
 )
 from pipecheck._deepspeed_rank import (
@@ -47,7 +50,7 @@ from pipecheck._deepspeed_rank import (
 from pipecheck._errors import EngineError, InputError, WorldError
 from pipecheck._job import Job
 from pipecheck._microbatch import merge_microbatches, split_microbatches, unwrap_replicated
-from pipecheck._pipe import Pipe
+from pipecheck._pipe import Pipe, Source
 from pipecheck._result import StepResult
 from pipecheck._runners import engine_error, failure_error, merge_stage_grads, world_for
 from pipecheck.losses import MicrobatchLoss
@@ -130,9 +133,10 @@ class DeepSpeedRunner:
                              f"loader feeds micro-batches, and {list(bound)} has none (all 0-dim, pc.Replicated "
                              "or not tensors).")
         wanted = tuple(name for name in layout.feed if bound[name].requires_grad)
-        _refuse(_split_problems(job, layout), f"{pipe.model_name} as pipecheck splits it")
+        layout, problems = _split_problems(job, layout)
+        _refuse(problems, f"{pipe.model_name} as pipecheck splits it")
         spec = self.spec(job.model, job.split_spec, job.policy, pipe.tracer, job.args, dict(job.kwargs),
-                         job.loss_fn, job.target, job.n_microbatches, wanted)
+                         job.loss_fn, job.target, job.n_microbatches, wanted, dict(layout.scalars))
         return _merge(pipe, _run(job, pipe.num_stages, spec, "runner='deepspeed'"), job.n_microbatches)
 
 
@@ -141,15 +145,26 @@ def run_deepspeed(job: Job) -> StepResult:
     return DeepSpeedRunner()(job)
 
 
-def _split_problems(job: Job, layout: Any) -> list[BoundaryProblem]:
-    pipe = job.split()  # a private copy: the dry run updates its buffers
+def _split_problems(job: Job, layout: SplitLayout) -> tuple[SplitLayout, list[BoundaryProblem]]:
+    """One micro-batch through pipecheck's layer chain in this process: first to learn which
+    boundary values are Python numbers (carried as 0-dim tensors), then as DeepSpeed passes values."""
+    pipe = job.split()  # a private copy: the dry runs update its buffers
     bound = pipe.bind_inputs(job.args, job.kwargs)
     constants = {name: unwrap_replicated(bound[name]) for name in layout.constants}
-    layers = [PipeStageLayer(stage, layout, constants) for stage in pipe.stages]
     first = split_microbatches({name: bound[name] for name in layout.feed}, job.n_microbatches)[0]
+    value: Any = tuple(first[name] for name in layout.feed)
+    scalars: dict[Source, str] = {}
+    with torch.no_grad():
+        for stage in pipe.stages[:-1]:
+            layer = PipeStageLayer(stage, layout, constants)
+            value = layer(value)
+            scalars.update((src, kind) for src, kind in
+                           ((src, scalar_kind(t)) for src, t in layer.sent_types.items()) if kind is not None)
+    layout = dataclasses.replace(layout, scalars=scalars)
+    layers = [PipeStageLayer(stage, layout, constants) for stage in pipe.stages]
     loss_of = MicrobatchLoss(job.loss_fn, job.target, job.n_microbatches)
-    return boundary_problems(layers, tuple(first[name] for name in layout.feed),
-                             lambda outputs: loss_of(0, pytree.tree_unflatten(list(outputs), pipe.out_spec)))
+    return layout, boundary_problems(layers, tuple(first[name] for name in layout.feed),
+                                     lambda outputs: loss_of(0, pytree.tree_unflatten(list(outputs), pipe.out_spec)))
 
 
 # --- a user's layer list ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pipecheck import pipe_split
 from pipecheck._deepspeed_layers import SplitLayout
 from pipecheck._deepspeed_rank import SplitModelSpec
 
@@ -306,7 +307,7 @@ class UntiedSplit(SplitModelSpec):
 
 
 class SizeAcross(nn.Module):
-    """A Python int (a size read on stage 0) used by stage 1: nothing DeepSpeed can send."""
+    """A Python int (a size read on stage 0) used by stage 1: DeepSpeed sends only tensors."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -315,5 +316,21 @@ class SizeAcross(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
-        rows = h.shape[0]
+        rows = h.size(0)
+        pipe_split()
         return self.b(h).reshape(rows, 2, -1)
+
+
+class ShapeAcross(nn.Module):
+    """A torch.Size (read on stage 0) used by stage 1: neither a tensor nor a number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        shape = h.size()
+        pipe_split()
+        return self.b(h).reshape(shape[0], 2, -1)

@@ -89,13 +89,12 @@ def test_a_chain_deepspeed_can_run_has_no_boundary_problem() -> None:
     assert boundary_problems(stages, torch.randn(2, em.WIDTH), lambda out: out.sum()) == []
 
 
-def test_a_split_passing_a_python_int_is_refused_before_any_rank_starts() -> None:
+def test_a_split_passing_what_is_neither_a_tensor_nor_a_number_is_refused_before_any_rank_starts() -> None:
     world = pc.World(2)  # never started: the refusal comes first
     try:
-        with pytest.raises(pc.EngineError, match=r"stage 0 sends a tuple holding \[1\] an int to stage 1") as caught:
-            pc.assert_equivalent(em.SizeAcross, (em._randn(em.BATCH, em.WIDTH, seed=1),), runner="deepspeed",
-                                 n_microbatches=N_MICROBATCHES, split_spec={"b": pc.SplitPoint.BEGINNING},
-                                 world=world)
+        with pytest.raises(pc.EngineError, match=r"stage 0 sends a tuple holding \[1\] a Size to stage 1") as caught:
+            pc.assert_equivalent(em.ShapeAcross, (em._randn(em.BATCH, em.WIDTH, seed=1),), runner="deepspeed",
+                                 n_microbatches=N_MICROBATCHES, world=world)
         assert (caught.value.engine, caught.value.rank, caught.value.stage) == ("DeepSpeed", 0, 0)
         assert world.pids == ()
     finally:
@@ -159,6 +158,13 @@ def test_input_gradients_come_back_from_the_first_stage_also_for_inputs_carried_
                                   world=pipecheck_world(3))
     assert report.ok
     assert {"grad input x", "grad input bias"} <= {row.name for row in report.rows}
+
+
+@needs_deepspeed
+def test_a_python_number_between_stages_travels_as_a_tensor(pipecheck_world: Any) -> None:
+    report = pc.assert_equivalent(em.SizeAcross, (em._randn(em.BATCH, em.WIDTH, seed=1),), runner="deepspeed",
+                                  n_microbatches=N_MICROBATCHES, world=pipecheck_world(2))
+    assert report.ok
 
 
 @needs_deepspeed
