@@ -35,10 +35,11 @@ from pipecheck._inputs import cast_inputs, prepare_inputs
 from pipecheck._job import Job, Runner
 from pipecheck._model_factory import ModelFactory, seeded
 from pipecheck._numerics import ToleranceLike, check_tolerance
+from pipecheck._optional_runners import OPTIONAL
 from pipecheck._pipe import split
 from pipecheck._report import Report
 from pipecheck._result import StepResult
-from pipecheck._runners import BUILTIN, OPTIONAL, run_reference
+from pipecheck._runners import BUILTIN, run_reference
 from pipecheck._trace import SplitSpec, check_tracer
 from pipecheck.losses import LossFn, projection_loss
 from pipecheck.policies import Policy

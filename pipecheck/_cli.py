@@ -20,9 +20,9 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 def available_runners() -> list[str]:
     """The built-in runners, and each optional one whose engine is installed (DeepSpeed, torchtitan)."""
-    from pipecheck._runners import available_runners
+    from pipecheck import _optional_runners
 
-    return available_runners()
+    return ["reference", "distributed", "torch", *_optional_runners.available()]
 
 
 def _dtype(name: str) -> Any:

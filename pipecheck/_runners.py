@@ -2,24 +2,21 @@
 
     world = world_for(job, n_ranks=4, engine="pipecheck")   # the job's World, or a shared one
     grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
-    OPTIONAL["deepspeed"].available()                       # is DeepSpeed installed?
+    available_runners()                                     # the built-in ones, DeepSpeed's if installed, ...
 
 Built-in runners by name: "reference" (:class:`DetachExecutor` in this
 process), "distributed" (pipecheck's runtime on a World), "torch"
 (torch.distributed.pipelining on a World), and the optional ones whose engine
-is a separate install (:data:`OPTIONAL`: "deepspeed", "torchtitan").
+is a separate install ("deepspeed", "torchtitan": :mod:`pipecheck._optional_runners`).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from pipecheck import _optional_runners as optional
 from pipecheck._errors import (
     EngineError,
     InputError,
@@ -38,37 +35,9 @@ BUILTIN = ("reference", "distributed", "torch")
 OWN = ("reference", "distributed")  # pipecheck's own runners; the others check someone else's engine
 
 
-@dataclass(frozen=True)
-class OptionalRunner:
-    """A built-in runner for an engine installed separately (``pip install "pipecheck[<extra>]"``)."""
-
-    name: str
-    package: str  # the engine's import name, looked up without importing it
-    extra: str
-    runner: str  # "module:function" of the runner inside pipecheck
-
-    def available(self) -> bool:
-        return importlib.util.find_spec(self.package) is not None
-
-    def load(self) -> Any:
-        if not self.available():
-            raise InputError(f"runner={self.name!r} needs {self.package}, which is not installed. Fix: "
-                             f'pip install "pipecheck[{self.extra}]".')
-        module, _, attr = self.runner.partition(":")
-        return getattr(importlib.import_module(module), attr)
-
-
-OPTIONAL: dict[str, OptionalRunner] = {
-    runner.name: runner for runner in (
-        OptionalRunner("deepspeed", "deepspeed", "deepspeed", "pipecheck._deepspeed_runner:run_deepspeed"),
-        OptionalRunner("torchtitan", "torchtitan", "torchtitan", "pipecheck._titan_runner:run_torchtitan"),
-    )
-}
-
-
 def available_runners() -> list[str]:
     """Every built-in runner's name whose engine is installed here."""
-    return [*BUILTIN, *(name for name, runner in OPTIONAL.items() if runner.available())]
+    return [*BUILTIN, *optional.available()]
 
 
 def run_reference(job: Job) -> StepResult:

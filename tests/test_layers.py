@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "pipecheck"
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("_errors", "_result"),
+    "base": ("_errors", "_result", "_optional_runners"),
     "split": ("_markers", "_inputs", "_model_factory", "_microbatch", "losses", "policies", "_trace", "_pipe"),
     "world": ("_worker", "_world_spawn", "_world"),
     "runtime": ("_stage_step", "_reference", "_schedule_sim", "schedules", "_timeline", "_comm", "_runtime",

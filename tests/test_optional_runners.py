@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import pipecheck as pc
-from pipecheck import _runners
+from pipecheck import _optional_runners, _runners
 from pipecheck._check import resolve_runner
 from pipecheck._cli import build_parser, main
 
@@ -23,11 +23,11 @@ def installed(monkeypatch: pytest.MonkeyPatch) -> Any:
         real = importlib.util.find_spec
 
         def find_spec(name: str, *args: Any) -> Any:
-            if name in _runners.OPTIONAL.keys() | {r.package for r in _runners.OPTIONAL.values()}:
+            if name in {r.package for r in _optional_runners.OPTIONAL.values()}:
                 return real("pipecheck") if name in packages else None
             return real(name, *args)
 
-        monkeypatch.setattr(_runners.importlib.util, "find_spec", find_spec)
+        monkeypatch.setattr(_optional_runners.importlib.util, "find_spec", find_spec)
 
     return pretend
 
@@ -41,7 +41,7 @@ def test_an_optional_runner_is_listed_only_when_its_engine_is_installed(installe
                                                                         expected: list[str]) -> None:
     installed(*packages)
     assert _runners.available_runners() == expected
-    for name in _runners.OPTIONAL:  # the command line offers the same runners
+    for name in _optional_runners.OPTIONAL:  # the command line offers the same runners
         if name in expected:
             assert build_parser().parse_args(["check", "pkg.mod:make", "--runner", name]).runner == name
         else:
@@ -68,6 +68,7 @@ def test_the_zoo_exit_code_counts_only_pipecheck_s_own_runners(capsys: pytest.Ca
     assert main(["zoo", "--models", "nested_spec", "--runners", "reference,torchtitan"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("nested_spec"))
     assert "pass (max abs" in row
-    expected = ("ERROR EngineError: torchtitan cannot cut where pipecheck cuts" if _runners.OPTIONAL["torchtitan"].available()
+    expected = ("ERROR EngineError: torchtitan cannot cut where pipecheck cuts"
+                if _optional_runners.OPTIONAL["torchtitan"].available()
                 else "ERROR InputError: runner='torchtitan' needs torchtitan")
     assert expected in row
