@@ -43,7 +43,9 @@ from pipecheck._runners import (
 )
 from pipecheck._titan_rank import ENGINE, TitanRankResult, TitanStepSpec, titan_rank_step
 
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "interleaved_1f1b": "Interleaved1F1B"}
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "interleaved_1f1b": "Interleaved1F1B",
+             "looped_bfs": "LoopedBFS", "zb": "InterleavedZeroBubble", "interleaved_zb": "InterleavedZeroBubble",
+             "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}  # pipecheck's names (and runner="torch"'s)
 
 
 def titan_schedule(schedule: Any, stages_per_rank: int) -> str:

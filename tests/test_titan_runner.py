@@ -86,7 +86,7 @@ def test_a_stage_module_list_is_renumbered_back_to_the_model() -> None:
 
 @pytest.mark.parametrize("schedule,per_rank,expected", [
     ("1f1b", 1, "1F1B"), ("gpipe", 1, "GPipe"), ("gpipe", 2, "LoopedBFS"), ("interleaved", 2, "Interleaved1F1B"),
-    ("ZBVZeroBubble", 2, "ZBVZeroBubble"),
+    ("zb", 1, "InterleavedZeroBubble"), ("zbv", 2, "ZBVZeroBubble"), ("ZBVZeroBubble", 2, "ZBVZeroBubble"),
 ])
 def test_schedule_names(schedule: str, per_rank: int, expected: str) -> None:
     assert titan_schedule(schedule, per_rank) == expected
@@ -113,6 +113,8 @@ def _check(world: pc.World, model: Any, split_spec: dict[str, Any] = TWO, **opti
     pytest.param(em.Decoder, TWO, "gpipe", 1, id="dict-gpipe"),
     pytest.param(em.list_decoder, FOUR, "interleaved", 2, id="list-interleaved"),
     pytest.param(em.Decoder, FOUR, "ZBVZeroBubble", 2, id="dict-zbv"),
+    pytest.param(em.list_decoder, TWO, "zb", 1, id="list-zero-bubble"),
+    pytest.param(em.Decoder, FOUR, "dualpipev", 2, id="dict-dualpipev"),
 ])
 def test_a_torchtitan_style_model_matches_eager(pipecheck_world: Any, model: Any, split_spec: dict[str, Any],
                                                 schedule: str, per_rank: int) -> None:
