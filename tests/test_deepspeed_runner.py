@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks unpickle _engi
 import _engine_models as em  # noqa: E402
 
 N_MICROBATCHES = 4
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason='needs DeepSpeed: pip install "pipecheck[deepspeed]"')
 
 
 def _zoo_pipe(name: str) -> tuple[pc.Pipe, dict[str, Any]]:
@@ -89,6 +91,7 @@ def test_a_chain_deepspeed_can_run_has_no_boundary_problem() -> None:
     assert boundary_problems(stages, torch.randn(2, em.WIDTH), lambda out: out.sum()) == []
 
 
+@needs_deepspeed
 def test_a_split_passing_what_is_neither_a_tensor_nor_a_number_is_refused_before_any_rank_starts() -> None:
     world = pc.World(2)  # never started: the refusal comes first
     try:
@@ -117,9 +120,6 @@ def _need_deepspeed_runner() -> Any:
 
 
 # --- with DeepSpeed ----------------------------------------------------------------------------------------
-
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason='needs DeepSpeed: pip install "pipecheck[deepspeed]"')
 
 
 @needs_deepspeed
