@@ -10,8 +10,9 @@ TORCH = "torch==2.13.0"
 
 @nox.session
 def tests(session: nox.Session) -> None:
+    """What CI runs: the whole suite, DeepSpeed and torchtitan installed (torch kept pinned)."""
     session.install(TORCH)
-    session.install("-e", ".[test]")
+    session.install("-c", ".ci/constraints.txt", "-e", ".[test,deepspeed,torchtitan]", env={"DS_BUILD_OPS": "0"})
     session.run("pytest", "-n", "auto", *session.posargs)
 
 

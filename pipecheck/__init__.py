@@ -50,7 +50,7 @@ _EXPORTS: dict[str, str] = {
     "split": "pipecheck._pipe",
     "split_microbatches": "pipecheck._microbatch",
 }
-_SUBMODULES = ("losses", "policies", "schedules", "strategies")
+_SUBMODULES = ("engines", "losses", "policies", "schedules", "strategies")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
@@ -71,7 +71,7 @@ def __dir__() -> list[str]:
 
 
 if typing.TYPE_CHECKING:
-    from pipecheck import losses, policies, schedules, strategies
+    from pipecheck import engines, losses, policies, schedules, strategies
     from pipecheck._check import assert_equivalent
     from pipecheck._distributed_runner import run_pipeline
     from pipecheck._errors import (

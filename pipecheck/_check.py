@@ -37,6 +37,7 @@ from pipecheck._inputs import cast_inputs, prepare_inputs
 from pipecheck._job import Job, Runner
 from pipecheck._model_factory import ModelFactory, seeded
 from pipecheck._numerics import ToleranceLike, check_tolerance
+from pipecheck._optional_runners import OPTIONAL
 from pipecheck._pipe import split_module
 from pipecheck._report import Report
 from pipecheck._result import StepResult
@@ -55,7 +56,7 @@ def resolve_runner(runner: Any) -> tuple[str, Runner]:
     """``(name, runner)`` for a built-in runner's name or a user's callable."""
     if runner == "reference":
         return "reference", run_reference
-    if runner in ("distributed", "torch"):
+    if isinstance(runner, str) and runner in ("distributed", "torch", *OPTIONAL):
         refuse_unguarded_main()  # before the eager runs: a rank re-importing an unguarded script stops here
     if runner == "distributed":
         from pipecheck._distributed_runner import run_distributed
@@ -65,9 +66,11 @@ def resolve_runner(runner: Any) -> tuple[str, Runner]:
         from pipecheck._torch_runner import run_torch
 
         return "torch", run_torch
+    if isinstance(runner, str) and runner in OPTIONAL:
+        return runner, OPTIONAL[runner].load()
     if callable(runner):
         return getattr(runner, "__name__", type(runner).__name__), runner
-    raise InputError(f"runner={runner!r} is not known. Fix: use one of {list(BUILTIN)} or a callable "
+    raise InputError(f"runner={runner!r} is not known. Fix: use one of {[*BUILTIN, *OPTIONAL]} or a callable "
                      "runner(job: pc.Job) -> pc.StepResult.")
 
 

@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from pipecheck import _optional_runners
 from pipecheck._errors import (
     EngineError,
     EquivalenceError,
@@ -41,10 +42,12 @@ EXIT_STATUSES = {
     3: "engine or runtime error: the engine under test or pipecheck's worker processes failed to run",
     4: "internal error: a bug in pipecheck",
 }
-ZOO_STATUS = ("zoo exits 0 when every cell of every runner but torch passes, 1 when one of them is FAIL,\n"
-              "3 when one is ERROR; the torch column shows torch's known failures and never changes it.")
-RUNNERS = ("reference", "distributed", "torch")  # pipecheck._runners.BUILTIN, without importing torch
-NOT_COUNTED = ("torch",)  # zoo columns that never change its exit status
+ZOO_STATUS = ("zoo exits 0 when every cell of pipecheck's own runners passes, 1 when one of them is FAIL,\n"
+              "3 when one is ERROR; the columns of the engines under test (torch, deepspeed, torchtitan) show\n"
+              "their known failures and never change it.")
+# pipecheck._runners.BUILTIN, and each optional engine's runner that is installed (found without importing it)
+RUNNERS = ("reference", "distributed", "torch", *_optional_runners.available())
+NOT_COUNTED = ("torch", *_optional_runners.OPTIONAL)  # zoo columns (other engines) that never change its exit status
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "float64": "float64"}
 DEBUG_ENV = "PIPECHECK_DEBUG"

@@ -3,10 +3,12 @@
     world = world_for(job, n_ranks=4, engine="pipecheck")   # the job's World, or a shared one
     results = run_on_world(world, rank_step, spec, job)      # names the part of job pickle refuses
     grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
+    available_runners()                                     # the built-in ones, DeepSpeed's if installed, ...
 
 Built-in runners by name: "reference" (:class:`DetachExecutor` in this
 process), "distributed" (pipecheck's runtime on a World), "torch"
-(torch.distributed.pipelining on a World).
+(torch.distributed.pipelining on a World), and the optional ones whose engine
+is a separate install ("deepspeed", "torchtitan": :mod:`pipecheck._optional_runners`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from pipecheck._errors import InputError, TaskPickleError, plural
+from pipecheck import _optional_runners as optional
+from pipecheck._errors import (
+    EngineError,
+    InputError,
+    RankError,
+    RankFailedError,
+    RankTimeoutError,
+    TaskPickleError,
+    WorldError,
+    plural,
+)
 from pipecheck._job import Job
 from pipecheck._model_factory import ModelFactory
 from pipecheck._pipe import TiedGroup
@@ -27,6 +39,12 @@ from pipecheck._result import StepResult
 from pipecheck._world import World, pickle_problem
 
 BUILTIN = ("reference", "distributed", "torch")
+OWN = ("reference", "distributed")  # pipecheck's own runners; the others check someone else's engine
+
+
+def available_runners() -> list[str]:
+    """Every built-in runner's name whose engine is installed here."""
+    return [*BUILTIN, *optional.available()]
 
 
 def run_reference(job: Job) -> StepResult:
@@ -122,3 +140,33 @@ def merge_stage_grads(stage_grads: Mapping[int, Mapping[str, torch.Tensor]], tie
     replicas = {group.fqn: {s: stage_grads[s][group.fqn] for s in group.stages
                             if group.fqn in stage_grads.get(s, {})} for group in tied_groups}
     return grads, {fqn: by_stage for fqn, by_stage in replicas.items() if by_stage}
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def failure_error(error: RankError, engine: str, when: str, setting: str) -> EngineError:
+    """A rank's failure inside ``engine`` as an EngineError: its message first (what a table cell
+    shows), then the rank, stage and action, the settings and the rank's traceback."""
+    cause = error.causes[-1] if error.causes else (error.exc_type, error.message)
+    message = _first_line(cause[1])
+    first = f"{cause[0].rsplit('.', 1)[-1]}: {message}" if message else cause[0]
+    where = f", during {error.action}" if error.action else ""
+    return EngineError(
+        f"{first}\n{engine} failed on rank {error.rank}, stage {error.stage}, {when}{where}; {setting}.\n"
+        f"Traceback on rank {error.rank}:\n{error.traceback.rstrip()}",
+        engine=engine, rank=error.rank, stage=error.stage, cause=error,
+    )
+
+
+def engine_error(err: WorldError, engine: str, when: str, setting: str) -> EngineError:
+    """A World failure while ``engine`` ran as an EngineError naming the engine, rank and stage."""
+    if isinstance(err, RankFailedError):
+        return failure_error(err.error, engine, when, setting)
+    if isinstance(err, RankTimeoutError):
+        return EngineError(f"{engine} did not finish within {err.timeout} s (rank(s) "
+                           f"{', '.join(map(str, err.ranks))} stuck {when}; {setting}).\n{err}", engine=engine,
+                           rank=err.ranks[0] if err.ranks else None)
+    return EngineError(f"{engine} could not run: {_first_line(str(err))} ({setting})\n{err}", engine=engine,
+                       rank=getattr(err, "rank", None), stage=getattr(err, "stage", None))

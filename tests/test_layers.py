@@ -17,14 +17,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "pipecheck"
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("_errors", "_result", "_torch_warnings"),
+    "base": ("_errors", "_result", "_torch_warnings", "_optional_runners"),
     "split": ("_markers", "_inputs", "_model_factory", "_microbatch", "losses", "policies", "_traced",
               "_autograd_functions", "_trace_fx", "_trace_export", "_trace", "_pipe"),
     "world": ("_worker", "_world_spawn", "_world"),
     "runtime": ("_stage_step", "_reference", "_schedule_sim", "_schedule_data", "_schedule_generators",
-                "schedules", "_timeline", "_comm", "_runtime", "_torch_schedules", "_torch_rank"),
-    "runners": ("_job", "_runners", "_distributed_runner", "_torch_runner"),
-    "check": ("_numerics", "_diagnose", "_eager", "_compare", "_report", "_check", "strategies"),
+                "schedules", "_timeline", "_comm", "_runtime", "_torch_schedules", "_torch_rank",
+                "_deepspeed_layers", "_deepspeed_rank", "_titan_rank"),
+    "runners": ("_job", "_runners", "_distributed_runner", "_torch_runner", "_deepspeed_runner", "_titan_runner"),
+    "check": ("_numerics", "_diagnose", "_eager", "_compare", "_report", "_check", "strategies", "engines"),
     "faces": ("__init__", "__main__", "_cli", "plugin"),
 }
 RANK = {"base": 0, "split": 1, "world": 1, "runtime": 2, "runners": 3, "check": 4, "faces": 5}

@@ -65,8 +65,13 @@ def _clean(result: subprocess.CompletedProcess[str], what: str) -> None:
     assert noise == [], f"{what} printed on stderr:\n{result.stderr}"
 
 
-@pytest.mark.parametrize("index", range(len(_python_blocks())),
-                         ids=[_file_name(i, b) for i, b in enumerate(_python_blocks())])
+def _core_blocks() -> list[int]:
+    """Blocks that need only pipecheck; those starting `# needs: pip install "pipecheck[X]"` are run by
+    test_readme_engines.py when X is installed."""
+    return [i for i, block in enumerate(_python_blocks()) if not block.startswith("# needs: ")]
+
+
+@pytest.mark.parametrize("index", _core_blocks(), ids=[_file_name(i, _python_blocks()[i]) for i in _core_blocks()])
 def test_every_python_block_runs_as_written(index: int, tmp_path: Path) -> None:
     block = _python_blocks()[index]
     name = _file_name(index, block)

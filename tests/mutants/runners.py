@@ -42,7 +42,7 @@ from pipecheck.losses import check_scalar_loss, default_microbatch_target, proje
 
 ALL = tuple(entry.name for entry in ZOO)
 SKIPS = ("skip_one", "long_skip", "encoder_decoder")  # a value consumed by a stage beyond the next one
-TIED = ("tiny_gpt", "alias_reuse")
+TIED = ("tiny_gpt", "alias_reuse", "titan_lm")
 KWARGS = ("kwarg_last", "kwarg_default")
 
 # The first parameter of every zoo model (its gradient is wrong under a bug that hits every gradient).
@@ -59,6 +59,7 @@ FIRST_GRAD = {
     "nested_spec": "grad encoder.layers.0.fc.weight",
     "encoder_decoder": "grad encoder.layers.0.fc.weight",
     "running_stats": "grad fc0.weight",
+    "titan_lm": "grad tok_embeddings.weight",
 }
 # The first output leaf of every zoo model.
 OUTPUT = {name: "output['logits']" if name == "dict_outputs" else "output" for name in ALL}
@@ -229,7 +230,8 @@ class TiedOneStage(BaseRunner):
 
     def expect(self, model: str) -> tuple[str, ...]:
         return {"tiny_gpt": ("grad tok_emb.weight",),
-                "alias_reuse": ("grad proj.weight", "grad shared.fc.weight", "grad shared.norm.bias")}[model]
+                "alias_reuse": ("grad proj.weight", "grad shared.fc.weight", "grad shared.norm.bias"),
+                "titan_lm": ("grad tok_embeddings.weight",)}[model]
 
     def full_grads(self, pipe: Pipe, per_stage: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         grads: dict[str, torch.Tensor] = {}
@@ -245,7 +247,8 @@ class TiedSummedTwice(BaseRunner):
     applies_to = TIED
 
     def expect(self, model: str) -> tuple[str, ...]:
-        return {"tiny_gpt": ("grad tok_emb.weight",), "alias_reuse": ("grad proj.weight",)}[model]
+        return {"tiny_gpt": ("grad tok_emb.weight",), "alias_reuse": ("grad proj.weight",),
+                "titan_lm": ("grad tok_embeddings.weight",)}[model]
 
     def full_grads(self, pipe: Pipe, per_stage: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         reduced = sum_stage_grads(per_stage)
@@ -425,6 +428,7 @@ class AliasedRecvBuffer(BaseRunner):
         "nested_spec": "grad encoder.layers.1.fc.weight",
         "encoder_decoder": "grad decoder.0.self_fc.weight",
         "running_stats": "grad fc1.weight",
+        "titan_lm": "grad layers.1.fc.weight",
     }
 
     def __init__(self) -> None:

@@ -161,6 +161,7 @@ class WeightCrossesMicrobatches(ZeroBubbleRunner):
         "nested_spec": "grad encoder.layers.1.fc.weight",
         "encoder_decoder": "grad decoder.0.self_fc.weight",
         "running_stats": "grad fc1.weight",
+        "titan_lm": "grad layers.1.fc.weight",
     }
 
     def __init__(self) -> None:

@@ -1,0 +1,30 @@
+"""Checks built around other pipeline engines, one module each.
+
+    import pipecheck as pc
+    pc.engines.deepspeed.check(layers, x, num_stages=2, n_microbatches=4)        # a DeepSpeed layer list
+    pc.engines.torchtitan.check(make_model, (tokens,), module_names_per_stage=[["tok_embeddings", ...], ...])
+
+Each needs its engine installed (``pip install "pipecheck[deepspeed]"``,
+``"pipecheck[torchtitan]"``), and imports it only when a check runs. The same
+engines also run any model pipecheck splits: ``pc.assert_equivalent(model,
+args, runner="deepspeed")`` or ``runner="torchtitan"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import typing
+
+__all__ = ["deepspeed", "torchtitan"]
+
+
+def __getattr__(name: str) -> typing.Any:
+    if name in __all__:
+        module = importlib.import_module(f"pipecheck.engines.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'pipecheck.engines' has no attribute {name!r}")
+
+
+if typing.TYPE_CHECKING:
+    from pipecheck.engines import deepspeed, torchtitan

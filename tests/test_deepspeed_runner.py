@@ -1,0 +1,262 @@
+"""runner="deepspeed" and pc.engines.deepspeed.check: DeepSpeed's PipelineEngine on pipecheck's World.
+
+Without DeepSpeed: how a split becomes a layer chain, and DeepSpeed's boundary rules checked in one
+process. With it (``pip install "pipecheck[deepspeed]"``): every zoo model through DeepSpeed,
+layer lists (tied specs, tuples, skips), what DeepSpeed cannot run refused before any rank
+starts, what it computes differently from eager failing the check, and a failure inside DeepSpeed
+as an EngineError naming the engine, rank and stage. The test that makes DeepSpeed fail on a
+rank comes last: it costs its World a restart.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pipecheck.fixtures import ZOO, get
+
+import pipecheck as pc
+from pipecheck._deepspeed_layers import (
+    LayerListModel,
+    boundary_problems,
+    layer_param_counts,
+    split_layout,
+)
+from pipecheck._pipe import Source
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks unpickle _engine_models by name
+import _engine_models as em  # noqa: E402
+
+N_MICROBATCHES = 4
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason='needs DeepSpeed: pip install "pipecheck[deepspeed]"')
+
+
+def _zoo_pipe(name: str) -> tuple[pc.Pipe, dict[str, Any]]:
+    entry = get(name)
+    args, kwargs = entry.inputs()
+    pipe = pc.split(entry.factory(entry.cut_styles[0]), args, kwargs, **entry.cut(entry.cut_styles[0]))
+    return pipe, pipe.bind_inputs(args, kwargs)
+
+
+# --- no DeepSpeed needed -----------------------------------------------------------------------------
+
+
+def test_a_skip_travels_through_the_stages_in_between() -> None:
+    layout = split_layout(*_zoo_pipe("long_skip"))
+    assert layout.feed == ("x",)
+    assert layout.carried == (
+        (Source(None, "x"),),
+        (Source(0, "blocks_0_norm"),),
+        (Source(0, "blocks_0_norm"), Source(1, "blocks_1_norm")),
+        (Source(0, "blocks_0_norm"), Source(2, "blocks_2_norm")),
+    )
+
+
+def test_a_keyword_input_read_by_a_later_stage_is_fed_and_carried() -> None:
+    layout = split_layout(*_zoo_pipe("kwarg_last"))
+    assert layout.feed == ("x", "bias")
+    assert layout.carried[2] == (Source(1, "blocks_1_norm"), Source(None, "bias"))
+
+
+def test_tied_parameters_are_grouped_by_the_stages_sharing_them() -> None:
+    layout = split_layout(*_zoo_pipe("alias_reuse"))
+    assert [(t.key, t.fqns) for t in layout.tied] == [
+        ("stages_0_2", ("proj.weight", "shared.fc.weight", "shared.fc.bias", "shared.norm.weight",
+                        "shared.norm.bias"))]
+
+
+@pytest.mark.parametrize("stages,expected", [
+    pytest.param([em.WithScale(), em.UseScale()], "stage 0 sends a tuple holding [1] a float to stage 1: DeepSpeed "
+                 "sends only a tensor or a tuple of tensors", id="python-float"),
+    pytest.param([lambda x: {"h": x * 2}, lambda d: d["h"]], "stage 0 sends a dict to stage 1", id="dict"),
+    pytest.param([em.SkipInput(), em.Merge()], "stage 0 sends [1] a float32 tensor of shape (2, 8) that does not "
+                 "require grad (a model input or a constant)", id="input-carried"),
+    pytest.param([em.SplitSkip(), em.DropSecond()], "stage 1 receives [1] a float32 tensor of shape (2, 8) from "
+                 "stage 0 but computes no gradient for it", id="received-unused"),
+])
+def test_what_deepspeed_cannot_carry_across_a_boundary_is_found_in_one_process(stages: list[Any],
+                                                                                expected: str) -> None:
+    x = torch.randn(2, em.WIDTH)
+    problems = boundary_problems(stages, x, lambda out: out.sum())
+    assert expected in "\n".join(p.message for p in problems)
+
+
+def test_a_chain_deepspeed_can_run_has_no_boundary_problem() -> None:
+    stages = [em.SplitSkip(), em.OnFirst(), em.Merge()]
+    assert boundary_problems(stages, torch.randn(2, em.WIDTH), lambda out: out.sum()) == []
+
+
+@needs_deepspeed
+def test_a_split_passing_what_is_neither_a_tensor_nor_a_number_is_refused_before_any_rank_starts() -> None:
+    world = pc.World(2)  # never started: the refusal comes first
+    try:
+        with pytest.raises(pc.EngineError, match=r"stage 0 sends a tuple holding \[1\] a Size to stage 1") as caught:
+            pc.assert_equivalent(em.ShapeAcross, (em._randn(em.BATCH, em.WIDTH, seed=1),), runner="deepspeed",
+                                 n_microbatches=N_MICROBATCHES, world=world)
+        assert (caught.value.engine, caught.value.rank, caught.value.stage) == ("DeepSpeed", 0, 0)
+        assert world.pids == ()
+    finally:
+        world.close()
+
+
+def test_engine_refusals_of_the_job_are_input_errors() -> None:
+    entry = get("mlp")
+    args, kwargs = entry.inputs()
+    with pytest.raises(pc.InputError, match="DeepSpeed's PipelineEngine runs its own TrainSchedule"):
+        _need_deepspeed_runner()(pc.Job(entry.factory(), args, kwargs, schedule="gpipe", n_microbatches=4))
+    with pytest.raises(pc.InputError, match="one stage per rank"):
+        _need_deepspeed_runner()(pc.Job(entry.factory(), args, kwargs, stages_per_rank=2, n_microbatches=4))
+
+
+def _need_deepspeed_runner() -> Any:
+    from pipecheck._deepspeed_runner import run_deepspeed
+
+    return run_deepspeed
+
+
+# --- with DeepSpeed ----------------------------------------------------------------------------------------
+
+
+@needs_deepspeed
+def test_layer_list_reference_names_parameters_as_deepspeed_does() -> None:
+    layers, _, _ = em.tied_layers()
+    model = LayerListModel(layers, parts=[0, 2, 4])
+    assert [name for name, _ in model.named_parameters()] == [
+        "tied_modules.embed.weight", "1.fc.weight", "1.fc.bias", "1.norm.weight", "1.norm.bias",
+        "2.fc.weight", "2.fc.bias", "2.norm.weight", "2.norm.bias"]
+    assert layer_param_counts(model) == [128, 88, 88, 128]  # a tied layer counts at every use, as DeepSpeed's
+
+
+def _zoo_check(name: str, world: pc.World) -> pc.Report:
+    entry = get(name)
+    args, kwargs = entry.inputs()
+    style = entry.cut_styles[0]
+    return pc.assert_equivalent(entry.factory(style), args, kwargs, runner="deepspeed", loss_fn=entry.loss_fn,
+                                target=entry.target(), n_microbatches=N_MICROBATCHES, world=world, **entry.cut(style))
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("name", [entry.name for entry in ZOO])
+def test_every_zoo_model_matches_eager_through_deepspeed(pipecheck_world: Any, name: str) -> None:
+    report = _zoo_check(name, pipecheck_world(get(name).num_stages))
+    assert report.ok
+    assert any(row.name.startswith("grad ") for row in report.rows)
+
+
+@needs_deepspeed
+def test_input_gradients_come_back_from_the_first_stage_also_for_inputs_carried_on(pipecheck_world: Any) -> None:
+    entry = get("kwarg_last")  # bias: a keyword input stage 0 passes on to stage 2
+    args, kwargs = entry.inputs()
+    args = tuple(a.requires_grad_() for a in args)
+    kwargs = {name: value.requires_grad_() for name, value in kwargs.items()}
+    report = pc.assert_equivalent(entry.factory(), args, kwargs, runner="deepspeed", n_microbatches=N_MICROBATCHES,
+                                  world=pipecheck_world(3))
+    assert report.ok
+    assert {"grad input x", "grad input bias"} <= {row.name for row in report.rows}
+
+
+@needs_deepspeed
+def test_a_python_number_between_stages_travels_as_a_tensor(pipecheck_world: Any) -> None:
+    report = pc.assert_equivalent(em.SizeAcross, (em._randn(em.BATCH, em.WIDTH, seed=1),), runner="deepspeed",
+                                  n_microbatches=N_MICROBATCHES, world=pipecheck_world(2))
+    assert report.ok
+
+
+@needs_deepspeed
+def test_tied_replicas_are_each_reported_and_each_holds_the_full_gradient(pipecheck_world: Any) -> None:
+    report = _zoo_check("tiny_gpt", pipecheck_world(4))
+    names = [row.name for row in report.rows]
+    assert "grad tok_emb.weight (replica in stage 0)" in names
+    assert "grad tok_emb.weight (replica in stage 3)" in names
+
+
+def _check_layers(world: pc.World, layers: list[Any], inputs: Any, target: Any, loss_fn: Any = em.mse,
+                  **options: Any) -> pc.Report:
+    return pc.engines.deepspeed.check(layers, inputs, num_stages=2, loss_fn=loss_fn, target=target,
+                                      n_microbatches=N_MICROBATCHES, world=world, **options)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("make,loss_fn", [
+    pytest.param(em.plain_layers, em.mse, id="plain"),
+    pytest.param(em.batchnorm_layers, em.mse, id="batchnorm-buffers"),
+    pytest.param(em.tied_layers, em.lm_loss, id="tied-embedding-and-head"),
+    pytest.param(lambda: em.chain("SplitSkip", "OnFirst", "OnFirst", "Merge"), em.mse, id="skip-as-tuple"),
+])
+def test_a_layer_list_matches_the_same_layers_run_eagerly(pipecheck_world: Any, make: Any, loss_fn: Any) -> None:
+    layers, inputs, target = make()
+    assert _check_layers(pipecheck_world(2), layers, inputs, target, loss_fn).ok
+
+
+@needs_deepspeed
+def test_the_partition_method_decides_where_the_check_cuts(pipecheck_world: Any) -> None:
+    layers, inputs, target = em.plain_layers()  # parameters per layer: 72, 0, 88, 36
+    uniform = _check_layers(pipecheck_world(2), layers, inputs, target, partition_method="uniform")
+    by_params = _check_layers(pipecheck_world(2), layers, inputs, target, partition_method="parameters")
+    assert uniform.ok and by_params.ok
+    assert uniform.row("grad 2.fc.weight").stages == (1,)  # layers [0, 2) | [2, 4)
+    assert by_params.row("grad 0.weight").stages == (0,) and by_params.row("grad 3.weight").stages == (1,)
+
+
+@needs_deepspeed
+def test_deepspeed_syncs_only_the_tied_weight_attr_so_a_tied_bias_fails(pipecheck_world: Any) -> None:
+    layers, inputs, target = em.tied_bias_layers()
+    with pytest.raises(pc.EquivalenceError) as caught:
+        _check_layers(pipecheck_world(2), layers, inputs, target)
+    failing = [row.name for row in caught.value.report.failures]
+    assert "grad tied_modules.shared.bias (replica in stage 1)" in failing
+    assert not any("shared.weight" in name for name in failing)  # tied_weight_attr=['weight'] is summed
+    assert "tied parameter not synchronised" in caught.value.report.hints["grad tied_modules.shared.bias"]
+    layers, inputs, target = em.tied_bias_layers(("weight", "bias"))  # the fix: name every tied parameter
+    assert _check_layers(pipecheck_world(2), layers, inputs, target).ok
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("names,expected", [
+    pytest.param(("SkipInput", "OnFirst", "OnFirst", "Merge"), "does not require grad", id="input-carried"),
+    pytest.param(("SplitSkip", "OnFirst", "OnFirst", "DropSecond"), "computes no gradient for it",
+                 id="received-unused"),
+    pytest.param(("WithScale", "UseScale"), "a tuple holding [1] a float", id="python-float"),
+])
+def test_what_deepspeed_cannot_run_is_refused_before_any_rank_starts(names: tuple[str, ...], expected: str) -> None:
+    layers, inputs, target = em.chain(*names)
+    world = pc.World(2)  # never started: the refusal comes first
+    try:
+        with pytest.raises(pc.EngineError, match="refused before any rank started") as caught:
+            _check_layers(world, layers, inputs, target)
+        assert expected in str(caught.value)
+        assert caught.value.engine == "DeepSpeed" and caught.value.stage == caught.value.rank is not None
+        assert world.pids == ()
+    finally:
+        world.close()
+
+
+@needs_deepspeed
+def test_rank_resources_stay_flat_over_many_deepspeed_jobs(pipecheck_world: Any) -> None:
+    world = pipecheck_world(2)
+    layers, inputs, target = em.tied_layers()
+    _check_layers(world, layers, inputs, target, loss_fn=em.lm_loss)
+    before = world.run(em.rank_resources)
+    for _ in range(3):
+        _check_layers(world, layers, inputs, target, loss_fn=em.lm_loss)
+    after = world.run(em.rank_resources)
+    for rank, (was, now) in enumerate(zip(before, after)):
+        assert now["groups"] == was["groups"], f"rank {rank} leaks process groups: {was} -> {now}"
+        assert now["threads"] <= was["threads"] + 2, f"rank {rank} leaks threads: {was} -> {now}"
+
+
+@needs_deepspeed
+def test_a_failure_inside_deepspeed_is_an_engine_error_naming_rank_and_stage() -> None:
+    layers, inputs, target = em.chain("SplitSkip", "OnFirst", "OnFirst", "FailsOnRank")
+    with pc.World(2, timeout=120) as world:
+        with pytest.raises(pc.EngineError) as caught:
+            _check_layers(world, layers, inputs, target)
+    err = caught.value
+    assert (err.engine, err.rank, err.stage) == ("DeepSpeed", 1, 1)
+    assert str(err).startswith("ValueError: planted failure inside the engine")
+    assert "DeepSpeed failed on rank 1, stage 1" in str(err)

@@ -1,0 +1,68 @@
+"""Optional runners (DeepSpeed, torchtitan): listed only when their engine is installed, a clear
+InputError with the pip command when it is not, and the zoo command's exit code counting only
+pipecheck's own runners."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+import pipecheck as pc
+from pipecheck import _optional_runners, _runners
+from pipecheck._check import resolve_runner
+from pipecheck._cli import main
+
+
+@pytest.fixture
+def installed(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Pretend exactly the given engine packages are installed (looked up by find_spec, never imported)."""
+
+    def pretend(*packages: str) -> None:
+        real = importlib.util.find_spec
+
+        def find_spec(name: str, *args: Any) -> Any:
+            if name in {r.package for r in _optional_runners.OPTIONAL.values()}:
+                return real("pipecheck") if name in packages else None
+            return real(name, *args)
+
+        monkeypatch.setattr(_optional_runners.importlib.util, "find_spec", find_spec)
+
+    return pretend
+
+
+@pytest.mark.parametrize("packages,expected", [
+    ((), ["reference", "distributed", "torch"]),
+    (("deepspeed",), ["reference", "distributed", "torch", "deepspeed"]),
+    (("deepspeed", "torchtitan"), ["reference", "distributed", "torch", "deepspeed", "torchtitan"]),
+])
+def test_an_optional_runner_is_listed_only_when_its_engine_is_installed(installed: Any, packages: tuple[str, ...],
+                                                                        expected: list[str]) -> None:
+    installed(*packages)
+    assert _runners.available_runners() == expected
+
+
+@pytest.mark.parametrize("name", ["deepspeed", "torchtitan"])
+def test_an_engine_that_is_not_installed_is_an_input_error_with_the_fix(installed: Any, name: str) -> None:
+    installed()
+    with pytest.raises(pc.InputError, match=rf'runner={name!r} needs {name}, which is not installed. Fix: pip '
+                                            rf'install "pipecheck\[{name}\]"'):
+        resolve_runner(name)
+
+
+def test_an_unknown_runner_lists_the_optional_ones_too() -> None:
+    with pytest.raises(pc.InputError, match="'deepspeed', 'torchtitan'"):
+        resolve_runner("megatron")
+
+
+def test_the_zoo_exit_code_counts_only_pipecheck_s_own_runners(capsys: pytest.CaptureFixture[str]) -> None:
+    # torchtitan cannot cut nested_spec (refused in this process, before any World) or is missing:
+    # either way an ERROR cell, and the command still succeeds.
+    assert main(["zoo", "--models", "nested_spec", "--runners", "reference,torchtitan"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("nested_spec"))
+    assert "pass (max abs" in row
+    expected = ("ERROR EngineError: torchtitan cannot cut where pipecheck cuts"
+                if _optional_runners.OPTIONAL["torchtitan"].available()
+                else "ERROR InputError: runner='torchtitan' needs torchtitan")
+    assert expected in row
