@@ -24,7 +24,6 @@ import torch.nn as nn
 
 from pipecheck._compare import compare_all
 from pipecheck._eager import (
-    RngWatch,
     buffers_kept,
     check_deterministic,
     check_finite,
@@ -117,12 +116,11 @@ def assert_equivalent(
     with clock("split_s"):  # the stages share the built model's parameters: no second copy
         pipe = split_module(built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
     initial_buffers = {name: b.detach().clone() for name, b in built.named_buffers()}
-    with clock("eager_s"), seeded(seed), buffers_kept(built), RngWatch() as rng:  # the user's RNG: untouched
+    with clock("eager_s"), seeded(seed), buffers_kept(built):  # the user's RNG: untouched
         eager, target_used = eager_step(built, inputs, loss_fn, n_microbatches, check_grads)
     inputs = inputs.unspoiled()
-    if rng.used:  # a model that draws no random numbers needs no probe
-        with clock("probe_s"):
-            check_deterministic(built, inputs, n_microbatches, seed)
+    with clock("probe_s"):  # two forwards of one micro-batch
+        check_deterministic(built, inputs, n_microbatches, seed)
     with clock("fp64_s"), buffers_kept(built), in_float64(built) as model64:  # built as it was, after
         args64, kwargs64, _ = inputs.unspoiled().to64()
         ref64, _ = eager_step(model64, inputs, loss_fn or projection_loss, n_microbatches, check_grads,

@@ -163,6 +163,8 @@ def _runner(spec: str) -> tuple[str, Any]:
     """``(column name, runner)``: a built-in runner's name, or a user's Runner as pkg.module:function."""
     if ":" in spec:
         return spec.split(":")[-1], _load(spec, "--runner")
+    if spec in _optional_runners.OPTIONAL and spec not in RUNNERS:  # a known engine, not installed here
+        _optional_runners.OPTIONAL[spec].load()  # raises the InputError that names the pip command
     if spec not in RUNNERS:
         close = difflib.get_close_matches(spec, RUNNERS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""

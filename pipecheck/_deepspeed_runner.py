@@ -133,11 +133,21 @@ class DeepSpeedRunner:
                              f"loader feeds micro-batches, and {list(bound)} has none (all 0-dim, pc.Replicated "
                              "or not tensors).")
         wanted = tuple(name for name in layout.feed if bound[name].requires_grad)
+        constant_grads = [name for name in layout.constants if _requires_grad(unwrap_replicated(bound[name]))]
+        if constant_grads:
+            raise InputError(f"runner='deepspeed' cannot give gradients of pc.Replicated inputs ({constant_grads}): "
+                             "DeepSpeed feeds only micro-batched tensors through its pipe, and pipecheck hands "
+                             "replicated values to each stage as constants. Fix: pass them with "
+                             "requires_grad=False (detach()), or check them with runner='distributed'.")
         layout, problems = _split_problems(job, layout)
         _refuse(problems, f"{pipe.model_name} as pipecheck splits it")
         spec = self.spec(job.model, job.split_spec, job.policy, pipe.tracer, job.args, dict(job.kwargs),
                          job.loss_fn, job.target, job.n_microbatches, wanted, dict(layout.scalars))
         return _merge(pipe, _run(job, pipe.num_stages, spec, "runner='deepspeed'"), job.n_microbatches)
+
+
+def _requires_grad(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves(value))
 
 
 def run_deepspeed(job: Job) -> StepResult:

@@ -67,6 +67,22 @@ class ModelFactory:
     device: str | torch.device | None = None
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise InputError(f"dtype={self.dtype!r} is not a floating-point torch.dtype. Fix: pass one, e.g. "
+                             "dtype=torch.float32 or torch.bfloat16 (or leave it out to keep the model's own).")
+        if self.device is None:
+            return
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as err:
+            raise InputError(f"device={self.device!r} is not a torch device ({err}). Fix: pass "
+                             "'cpu', 'cuda' or 'cuda:N'.") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InputError(f"device={self.device!r}, but CUDA is not available here (torch {torch.__version__}, "
+                             f"{torch.cuda.device_count()} GPU(s) visible). Fix: device='cpu', or run on a "
+                             "machine with a GPU and a CUDA build of torch.")
+
     def __call__(self) -> nn.Module:
         with seeded(self.seed):
             model, owned = build_module(self.source)

@@ -343,6 +343,71 @@ def test_a_stochastic_eager_model_is_refused_instead_of_widening_the_auto_tolera
                              n_microbatches=2)
 
 
+class OwnGeneratorMask(nn.Module):
+    """Random without touching torch's global RNG: a generator of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.g = torch.Generator().manual_seed(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = h * (torch.rand(h.shape, generator=self.g) > 0.5)
+        pc.pipe_split()
+        return self.b(h)
+
+
+class CallCounter(nn.Module):
+    """Different on every call, with no RNG at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.a(x) * (1 + self.calls % 3)
+        pc.pipe_split()
+        return self.b(h)
+
+
+@pytest.mark.parametrize("model", [OwnGeneratorMask, CallCounter])
+def test_randomness_outside_the_global_rng_is_refused_too(model: type[nn.Module]) -> None:
+    """The probe does not wait for torch's RNG state to move: a wrong runner must never pass
+    because the model's own spread widened the auto tolerance."""
+    with pytest.raises(pc.InputError, match=r"not deterministic.*model\.eval\(\)"):
+        pc.assert_equivalent(model(), (torch.randn(8, 4),), runner=outputs_scaled_by_1_3, n_microbatches=2)
+
+
+def test_the_probe_tolerates_last_bit_differences_but_not_random_ones() -> None:
+    """Atomic adds on a GPU reorder sums from call to call; dropout changes values wholesale."""
+    from pipecheck._eager import _differ
+
+    a = torch.randn(64, 64)
+    assert not _differ(a, a.clone())
+    assert not _differ(a, a + a.abs() * torch.finfo(a.dtype).eps * 4)
+    assert _differ(a, a * (torch.rand_like(a) > 0.1))
+    assert _differ(torch.arange(4), torch.arange(4).flip(0))
+    assert not _differ(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"dtype": "float32"}, r"dtype='float32' is not a floating-point torch.dtype\. Fix: .*torch\.float32"),
+    ({"dtype": torch.int64}, r"dtype=torch.int64 is not a floating-point torch.dtype"),
+    ({"device": "tpu"}, r"device='tpu' is not a torch device .*Fix: pass 'cpu', 'cuda'"),
+    pytest.param({"device": "cuda"}, r"CUDA is not available here .*Fix: device='cpu'",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_a_bad_dtype_or_device_is_an_input_error_naming_the_fix(options: dict[str, Any], message: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(pc.InputError, match=message):
+        pc.assert_equivalent(model, (torch.randn(8, 4),), runner="reference", **options)
+
+
 def test_exact_tolerance_passes_the_reference_runner_with_one_microbatch() -> None:
     report = _zoo_check("mlp", "markers", "reference", n_microbatches=1, tolerance="exact")
     assert report.tolerance == "exact"

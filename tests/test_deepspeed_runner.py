@@ -113,6 +113,25 @@ def test_engine_refusals_of_the_job_are_input_errors() -> None:
         _need_deepspeed_runner()(pc.Job(entry.factory(), args, kwargs, stages_per_rank=2, n_microbatches=4))
 
 
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * scale
+        pc.pipe_split()
+        return self.b(h)
+
+
+def test_a_replicated_input_that_needs_its_gradient_is_refused_not_reported_missing() -> None:
+    """DeepSpeed's pipe carries only micro-batched tensors; a replicated value reaches each stage as
+    a constant, so its gradient could never come back: refused before any rank starts."""
+    x, scale = torch.randn(8, 4), torch.randn(4, requires_grad=True)
+    with pytest.raises(pc.InputError, match=r"gradients of pc.Replicated inputs \(\['scale'\]\).*requires_grad=False"):
+        _need_deepspeed_runner()(pc.Job(Scaled(), (x, pc.Replicated(scale)), {}, n_microbatches=4))
+
+
 def _need_deepspeed_runner() -> Any:
     from pipecheck._deepspeed_runner import run_deepspeed
 

@@ -284,3 +284,27 @@ def test_world_run_names_the_argument_it_cannot_pickle() -> None:
             world.run(jobs.echo, 1, scale=lambda: 2)
     finally:
         world.close()
+
+
+class FixedBatch(nn.Module):
+    """Hard-codes the batch size: runs on the whole batch, fails on a micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).reshape(8, 4)
+
+
+@pytest.mark.parametrize("model,x,expected,not_expected", [
+    pytest.param(FixedBatch, torch.randn(8, 4), "runs on the whole batch. With n_microbatches=2 each call sees 1/2",
+                 "runs on these inputs eagerly", id="hard-coded-batch"),
+    pytest.param(lambda: nn.Linear(4, 4), torch.arange(32).reshape(8, 4), "Fix: check that the model runs on "
+                 "these inputs eagerly", "batch size", id="integer-input"),
+])
+def test_the_batch_size_hint_is_given_only_when_the_whole_batch_runs(model: Any, x: torch.Tensor, expected: str,
+                                                                     not_expected: str) -> None:
+    with pytest.raises(pc.InputError) as info:
+        pc.assert_equivalent(model, (x,), runner="reference", n_microbatches=2)
+    assert expected in str(info.value) and not_expected not in str(info.value), str(info.value)

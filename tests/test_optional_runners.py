@@ -57,12 +57,27 @@ def test_an_unknown_runner_lists_the_optional_ones_too() -> None:
 
 
 def test_the_zoo_exit_code_counts_only_pipecheck_s_own_runners(capsys: pytest.CaptureFixture[str]) -> None:
-    # torchtitan cannot cut nested_spec (refused in this process, before any World) or is missing:
-    # either way an ERROR cell, and the command still succeeds.
+    if not _optional_runners.OPTIONAL["torchtitan"].available():
+        pytest.skip('needs torchtitan: pip install "pipecheck[torchtitan]"')
+    # torchtitan cannot cut nested_spec (refused in this process, before any World): an ERROR cell,
+    # and the command still succeeds.
     assert main(["zoo", "--models", "nested_spec", "--runners", "reference,torchtitan"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("nested_spec"))
     assert "pass (max abs" in row
-    expected = ("ERROR EngineError: torchtitan cannot cut where pipecheck cuts"
-                if _optional_runners.OPTIONAL["torchtitan"].available()
-                else "ERROR InputError: runner='torchtitan' needs torchtitan")
-    assert expected in row
+    assert "ERROR EngineError: torchtitan cannot cut where pipecheck cuts" in row
+
+
+@pytest.mark.parametrize("command", [["zoo", "--models", "mlp", "--runners", "reference,{name}"],
+                                     ["check", "models:make_model", "--input-shape", "8,4", "--runner", "{name}"]])
+@pytest.mark.parametrize("name", ["deepspeed", "torchtitan"])
+def test_the_cli_names_the_pip_command_for_an_engine_not_installed(
+        installed: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str],
+        name: str) -> None:
+    from pipecheck import _cli
+
+    installed()
+    monkeypatch.setattr(_cli, "RUNNERS", tuple(r for r in _cli.RUNNERS if r not in _optional_runners.OPTIONAL))
+    assert main([part.format(name=name) for part in command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pipecheck: input error: runner={name!r} needs {name}, which is not installed. "
+                          f'Fix: pip install "pipecheck[{name}]"'), err
