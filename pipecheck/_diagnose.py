@@ -15,8 +15,14 @@ from collections.abc import Sequence
 import torch
 
 
+def _real64(t: torch.Tensor) -> torch.Tensor:
+    """On the host in float64; a complex tensor as its (real, imaginary) pairs."""
+    t = t.detach().cpu()
+    return (torch.view_as_real(t) if t.is_complex() else t).double()
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
-    a, b = a.double(), b.double()
+    a, b = _real64(a), _real64(b)
     scale = max(b.abs().max().item(), a.abs().max().item(), 1e-30)
     return (a - b).abs().max().item() <= rel * scale
 
@@ -29,13 +35,13 @@ def diagnose_grad(test: torch.Tensor, truth: torch.Tensor, n_microbatches: int,
                   shares: Sequence[tuple[int, torch.Tensor]] = ()) -> str | None:
     """``shares``: (stage, that stage's share of the gradient) for a tied parameter."""
     rel = _rel(test.dtype)
-    test64, truth64 = test.detach().cpu().double(), truth.detach().cpu().double()
+    test64, truth64 = _real64(test), _real64(truth)
     if truth64.abs().max().item() > 0 and test64.abs().max().item() == 0:
         return ("gradient is zero: no gradient reached this tensor (a skip connection's or a stage "
                 "input's gradient was dropped upstream?)")
     if len(shares) > 1:
         for stage, share in shares:
-            if _close(test64, share.detach().cpu().double(), rel):
+            if _close(test64, share, rel):
                 holders = ", ".join(str(s) for s, _ in shares)
                 return (f"tied parameter not synchronised: gradient equals stage {stage}'s share only; "
                         f"stages {holders} hold replicas and their gradients must be summed (all-reduce)")
@@ -57,8 +63,8 @@ def diagnose_output(test: torch.Tensor, truth: torch.Tensor, n_microbatches: int
     if n_microbatches < 2 or test.dim() == 0 or test.shape != truth.shape or test.shape[0] % n_microbatches:
         return None
     rel = _rel(test.dtype)
-    test_chunks = test.detach().cpu().double().chunk(n_microbatches)
-    truth_chunks = truth.detach().cpu().double().chunk(n_microbatches)
+    test_chunks = _real64(test).chunk(n_microbatches)
+    truth_chunks = _real64(truth).chunk(n_microbatches)
     source = []
     for chunk in test_chunks:
         matches = [j for j, ref in enumerate(truth_chunks) if _close(chunk, ref, rel)]

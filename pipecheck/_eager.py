@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._errors import InputError, NonFiniteError, PipecheckError
-from pipecheck._inputs import Inputs
+from pipecheck._inputs import Inputs, cast_module
 from pipecheck._microbatch import merge_microbatches, split_microbatches, unwrap_replicated
 from pipecheck._model_factory import seeded
 from pipecheck._numerics import nonfinite
@@ -150,7 +150,7 @@ def in_float64(model: nn.Module) -> Iterator[nn.Module]:
     dtypes = [(p, p.dtype) for p in model.parameters()]
     buffers = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()]
     try:
-        yield model.to(torch.float64)
+        yield cast_module(model, torch.float64)  # complex parameters to complex128, never to real
     finally:
         with torch.no_grad():
             for param, dtype in dtypes:

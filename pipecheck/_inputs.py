@@ -49,6 +49,29 @@ def as_args(args: Sequence[Any] | Any) -> tuple[Any, ...]:
     return tuple(args) if isinstance(args, (tuple, list)) else (args,)
 
 
+COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64, torch.float16: torch.complex32}
+
+
+def cast_dtype(current: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """What a tensor of ``current`` dtype becomes when its model is cast to ``dtype``: a floating
+    tensor ``dtype``, a complex one ``dtype``'s complex counterpart (none for bfloat16: unchanged),
+    anything else unchanged."""
+    if dtype is None:
+        return current
+    if current.is_floating_point:
+        return dtype
+    if current.is_complex:
+        return COMPLEX_OF.get(dtype, current)
+    return current
+
+
+def cast_module(model: nn.Module, dtype: torch.dtype | None, device: Device = None) -> nn.Module:
+    """``model.to(device, dtype)`` in place, except that complex parameters and buffers become the
+    complex counterpart of ``dtype`` (``Module.to`` would cast them to a real dtype, dropping their
+    imaginary parts)."""
+    return model._apply(lambda t: t.to(device=device, dtype=cast_dtype(t.dtype, dtype)))
+
+
 def cast_inputs(value: Any, dtype: torch.dtype | None, device: Device, *, copy: bool = False) -> Any:
     """Floating tensors to ``dtype``, every tensor to ``device``, keeping requires_grad; never in place.
 
@@ -61,7 +84,7 @@ def cast_inputs(value: Any, dtype: torch.dtype | None, device: Device, *, copy: 
             return Replicated(pytree.tree_map(cast, leaf.value))
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        target = dtype if dtype is not None and leaf.is_floating_point() else leaf.dtype
+        target = cast_dtype(leaf.dtype, dtype)
         if not copy and target == leaf.dtype and (device is None or torch.device(device) == leaf.device):
             return leaf
         moved = leaf.detach().to(device=device, dtype=target, copy=True)

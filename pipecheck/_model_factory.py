@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from pipecheck._errors import InputError
+from pipecheck._inputs import cast_module
 
 ModelLike = nn.Module | Callable[[], nn.Module]
 
@@ -89,7 +90,7 @@ class ModelFactory:
             if not owned:
                 model = copy.deepcopy(model)
         if self.dtype is not None or self.device is not None:
-            model = model.to(device=self.device, dtype=self.dtype)
+            model = cast_module(model, self.dtype, self.device)
         return model
 
     def on(self, device: str | torch.device) -> ModelFactory:

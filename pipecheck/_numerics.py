@@ -85,15 +85,20 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
         return _failing_row(name, stages, shape, f"runner gave {type(test).__name__}, not a tensor", tol_text)
     if tuple(test.shape) != shape:
         return _failing_row(name, stages, shape, f"runner's shape {tuple(test.shape)} != eager's {shape}", tol_text)
+    if eager.is_complex() or test.is_complex():  # compared as (real, imaginary) pairs
+        if not (eager.is_complex() and test.is_complex()):
+            return _failing_row(name, stages, shape, f"runner's dtype {test.dtype} != eager's {eager.dtype}", tol_text)
+        test, eager = torch.view_as_real(test.detach()), torch.view_as_real(eager.detach())
+        ref64 = torch.view_as_real(ref64.detach()) if isinstance(ref64, torch.Tensor) and ref64.is_complex() else ref64
     device = eager.device  # compared where eager's result lives: no copy to the host per tensor
     test64 = test.detach().to(device=device, dtype=torch.float64)
     eager64 = eager.detach().to(dtype=torch.float64)
     if tolerance == "exact":
         failing = ~((test.detach().to(device) == eager.detach()) | (test64.isnan() & eager64.isnan()))
-        return _row(name, stages, shape, test64, eager64, failing, lambda _: "exact")
+        return _row(name, stages, shape, _Diff(test64, eager64), failing, lambda _: "exact")
     if isinstance(tolerance, Tolerance):
-        failing = ~(_same(test64, eager64) | _within(test64, eager64, tolerance.atol, tolerance.rtol))
-        return _row(name, stages, shape, test64, eager64, failing, lambda _: tol_text)
+        diff = _Diff(test64, eager64)
+        return _row(name, stages, shape, diff, diff.failing(tolerance.atol, tolerance.rtol), lambda _: tol_text)
     truth = ref64.detach().to(device=device, dtype=torch.float64)
     eps = torch.finfo(eager.dtype).eps if eager.is_floating_point() else 0.0
     rtol = AUTO_FLOOR_EPS * eps
@@ -103,38 +108,49 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
         atol = AUTO_MULTIPLE * eager_err + AUTO_FLOOR_EPS * eps * torch.where(finite, truth.abs(), 0.0).max()
     else:
         atol = torch.zeros((), dtype=torch.float64, device=device)
-    failing = ~(_same(test64, truth) | _within(test64, truth, atol, rtol))
-    return _row(name, stages, shape, test64, truth, failing, lambda a: f"auto: atol {a:.1e} rtol {rtol:.1e}", atol)
+    diff = _Diff(test64, truth)
+    return _row(name, stages, shape, diff, diff.failing(atol, rtol), lambda a: f"auto: atol {a:.1e} rtol {rtol:.1e}",
+                atol)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Where two tensors hold the very same value: equal numbers and infinities, or both NaN."""
-    return (a == b) | (a.isnan() & b.isnan())
+class _Diff:
+    """``|test - ref|`` elementwise, computed once for a row's verdict and its numbers: 0 where the
+    two hold the very same value (equal numbers and infinities, or both NaN), inf where only one is NaN."""
+
+    def __init__(self, test: torch.Tensor, ref: torch.Tensor) -> None:
+        self.ref_abs = ref.abs()
+        self.ref_finite = torch.isfinite(ref)
+        self.same = (test == ref) | (test.isnan() & ref.isnan())
+        diff = (test - ref).abs().masked_fill_(self.same, 0.0)
+        self.nan = diff.isnan()  # one side NaN: never within any bound
+        self.abs = diff.masked_fill_(self.nan, float("inf"))
+
+    def failing(self, atol: float | torch.Tensor, rtol: float) -> torch.Tensor:
+        """Not within ``atol + rtol * |ref|`` where ``ref`` is finite; a non-finite ``ref`` is matched
+        only by the same value, never by an infinite bound."""
+        within = (self.abs <= atol + rtol * self.ref_abs) & ~self.nan
+        return ~(self.same | (self.ref_finite & within))
 
 
-def _within(test: torch.Tensor, ref: torch.Tensor, atol: float | torch.Tensor, rtol: float) -> torch.Tensor:
-    """``|test - ref| <= atol + rtol * |ref|`` where ``ref`` is finite; a non-finite ``ref`` is matched
-    only by the same value (see :func:`_same`), never by an infinite bound."""
-    return torch.isfinite(ref) & ((test - ref).abs() <= atol + rtol * ref.abs())
-
-
-def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], test: torch.Tensor, ref: torch.Tensor,
-         failing: torch.Tensor, tol: Callable[[float], str], atol: torch.Tensor | None = None) -> Row:
+def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff, failing: torch.Tensor,
+         tol: Callable[[float], str], atol: torch.Tensor | None = None) -> Row:
     """The row's numbers, computed where the tensors are and read back in one transfer."""
-    if not test.numel():
+    absolute = diff.abs
+    if not absolute.numel():
         return Row(name, tuple(stages), shape, True, 0.0, 0.0, tol(0.0), None, 0, 0)
-    diff = torch.where(_same(test, ref), 0.0, (test - ref).abs())
-    diff = torch.where(diff.isnan(), torch.full_like(diff, float("inf")), diff)
-    plain = torch.isfinite(ref) & (ref != 0)  # where a relative error means something
-    rel = torch.where(plain, diff / torch.where(plain, ref.abs(), 1.0), torch.where(diff == 0, 0.0, float("inf")))
+    plain = diff.ref_finite & (diff.ref_abs != 0)  # where a relative error means something
+    rel = torch.where(plain, absolute / torch.where(plain, diff.ref_abs, 1.0),
+                      torch.where(absolute == 0, 0.0, float("inf")))
     n_failing = failing.sum()
-    worst = torch.argmax(torch.where(failing, diff, torch.full_like(diff, -1.0))) if failing.any() else torch.argmax(diff)
-    numbers = torch.stack([diff.max(), rel.max(), n_failing.to(torch.float64), worst.to(torch.float64),
-                           atol if atol is not None else torch.zeros((), dtype=torch.float64, device=diff.device)])
-    max_abs, max_rel, failing_count, flat, atol_value = numbers.tolist()
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), diff.shape)) if diff.dim() else ()
+    worst_failing = torch.argmax(torch.where(failing, absolute, -1.0))
+    numbers = torch.stack([absolute.max(), rel.max(), n_failing.to(torch.float64), worst_failing.to(torch.float64),
+                           torch.argmax(absolute).to(torch.float64),
+                           atol if atol is not None else torch.zeros((), dtype=torch.float64, device=absolute.device)])
+    max_abs, max_rel, failing_count, flat_failing, flat_any, atol_value = numbers.tolist()
+    flat = flat_failing if failing_count else flat_any
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), absolute.shape)) if absolute.dim() else ()
     return Row(name, tuple(stages), shape, failing_count == 0, max_abs, max_rel, tol(atol_value), index,
-               int(failing_count), diff.numel())
+               int(failing_count), absolute.numel())
 
 
 def nonfinite(value: torch.Tensor) -> bool:

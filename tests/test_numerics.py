@@ -53,3 +53,36 @@ class CausalMask(nn.Module):
 def test_a_model_with_an_infinite_buffer_passes() -> None:
     report = pc.assert_equivalent(CausalMask, (torch.randn(8, 4),), runner="reference", n_microbatches=2)
     assert report.ok and report.row("buffer mask").ok
+
+
+class ComplexPhase(nn.Module):
+    """A complex parameter, and a complex value crossing the cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.phase = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.a(x) * self.phase
+        pc.pipe_split()
+        return self.b(z.imag) + self.b(z.real)
+
+
+def imaginary_part_of_a_grad_dropped(job: pc.Job) -> pc.StepResult:
+    from pipecheck._runners import run_reference
+
+    result = run_reference(job)
+    result.grads["phase"] = result.grads["phase"].real.to(torch.complex64)
+    return result
+
+
+def test_complex_parameters_keep_their_imaginary_part_and_are_compared_as_pairs() -> None:
+    """The fp64 ground truth casts them to complex128, not to a real dtype; a runner that loses the
+    imaginary part of their gradient fails on that row."""
+    x = torch.randn(8, 4)
+    report = pc.assert_equivalent(ComplexPhase, (x,), runner="reference", n_microbatches=2)
+    assert report.row("grad phase").shape == (4,) and report.row("grad phase").max_abs < 1e-5
+    with pytest.raises(pc.EquivalenceError) as caught:
+        pc.assert_equivalent(ComplexPhase, (x,), runner=imaginary_part_of_a_grad_dropped, n_microbatches=2)
+    assert [row.name for row in caught.value.report.rows if not row.ok] == ["grad phase"]
