@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._errors import TraceError
+from pipecheck._traced import resolve
 
 _FUNCTION_APPLY = torch.autograd.function.Function.__dict__["apply"]  # the classmethod itself
 _FUNCTION_CALLS: dict[type, Callable[..., Any]] = {}
@@ -140,13 +141,6 @@ class functions_in_export:  # noqa: N801 - a context manager read as a phrase
             )
 
 
-def _resolve(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def functions_as_calls(gm: fx.GraphModule) -> fx.GraphModule:
     """Each ``flat_apply`` node that export recorded for a kept Function becomes a plain call of
     ``function_call(cls)`` (as fx records it), and its two constant ``get_attr`` operands (TreeSpecs)
@@ -167,10 +161,10 @@ def functions_as_calls(gm: fx.GraphModule) -> fx.GraphModule:
         if not (isinstance(func_node, fx.Node) and func_node.op == "get_attr"
                 and isinstance(spec_node, fx.Node) and spec_node.op == "get_attr"):
             continue
-        func = pytree._retrieve_constant(_resolve(gm, str(func_node.target)))  # type: ignore[attr-defined]
+        func = pytree._retrieve_constant(resolve(gm, str(func_node.target)))  # type: ignore[attr-defined]
         if getattr(func, "func", None) is not by_name:
             continue
-        (cls_name, *args), kwargs = pytree.tree_unflatten(flat, _resolve(gm, str(spec_node.target)))
+        (cls_name, *args), kwargs = pytree.tree_unflatten(flat, resolve(gm, str(spec_node.target)))
         module_name, _, class_name = cls_name.rpartition(".")
         cls = getattr(importlib.import_module(module_name), class_name)
         with graph.inserting_before(node):

@@ -43,12 +43,20 @@ def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref
     _compare_param_grads(pipe, job, result, eager, ref64, tolerance, rows, hints)
     _diagnose_dropped_skips(pipe, job, result, rows, hints)
     for name, e_grad in eager.input_grads.items():
-        consumers = tuple(e.dst for e in pipe.edges if e.src is None and e.name == name)
         _grad_row(f"grad input {name}", result.input_grads.get(name), e_grad, ref64.input_grads[name],
-                  tolerance, consumers, job, rows, hints)
-    _unexpected_grads(result.grads, eager.grads, "grad ", pipe, rows, hints)
-    _unexpected_grads(result.input_grads, eager.input_grads, "grad input ", pipe, rows, hints)
+                  tolerance, _consumers(pipe, name), job, rows, hints)
+    _unexpected_grads(result.grads, eager.grads, "grad ", pipe.param_stages, rows, hints,
+                      "eager computes no gradient here (an unused or frozen parameter, or not an original FQN: "
+                      "runners key gradients by model.named_parameters() names)")
+    _unexpected_grads(result.input_grads, eager.input_grads, "grad input ", lambda name: _consumers(pipe, name),
+                      rows, hints, "eager computes no gradient for this input (it does not require grad, or "
+                      "no output depends on it through a differentiable path): a runner must not invent one")
     return rows, hints, notes
+
+
+def _consumers(pipe: Pipe, name: str) -> tuple[int, ...]:
+    """The stages that read model input ``name``."""
+    return tuple(sorted({e.dst for e in pipe.edges if e.src is None and e.name == name}))
 
 
 def _compare_buffers(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
@@ -156,8 +164,9 @@ def _compare_param_grads(pipe: Pipe, job: Job, result: StepResult, eager: StepRe
                       job, rows, hints, shares_of(fqn))
 
 
-def _unexpected_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], prefix: str, pipe: Pipe,
-                      rows: list[Row], hints: dict[str, str]) -> None:
+def _unexpected_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], prefix: str,
+                      stages_of: Callable[[str], tuple[int, ...]], rows: list[Row], hints: dict[str, str],
+                      hint: str) -> None:
     """A gradient eager does not have must be absent or all zeros: an optimizer would apply it."""
     for key in sorted(set(got) - set(expected)):
         grad = got[key]
@@ -165,10 +174,9 @@ def _unexpected_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
             continue
         name = f"{prefix}{key}"
         magnitude = grad.detach().abs().max().item()
-        rows.append(Row(name, pipe.param_stages(key), tuple(grad.shape), False, magnitude, float("inf"),
+        rows.append(Row(name, stages_of(key), tuple(grad.shape), False, magnitude, float("inf"),
                         "zero expected", None, int((grad != 0).sum()), grad.numel()))
-        hints[name] = ("eager computes no gradient here (an unused or frozen parameter, or not an original "
-                       "FQN: runners key gradients by model.named_parameters() names)")
+        hints[name] = hint
 
 
 def _diagnose_dropped_skips(pipe: Pipe, job: Job, result: StepResult, rows: list[Row],

@@ -20,10 +20,10 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._errors import InputError, NonFiniteError, PipecheckError
+from pipecheck._errors import InputError, NonFiniteError, PipecheckError, first_line
 from pipecheck._inputs import Inputs, cast_module
 from pipecheck._microbatch import merge_microbatches, split_microbatches, unwrap_replicated
-from pipecheck._model_factory import seeded
+from pipecheck._model_factory import buffers_kept, seeded
 from pipecheck._numerics import nonfinite
 from pipecheck._result import StepResult
 from pipecheck._torch_warnings import torch_internal_warnings_ignored
@@ -63,12 +63,28 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
                         if isinstance(value, torch.Tensor) and value.requires_grad]
         wrt = [p for _, p in params] + [t for _, t in named_inputs]
         if wrt and loss.requires_grad:
-            with torch_internal_warnings_ignored():  # cuBLAS's context warning from autograd's CUDA thread
-                got = torch.autograd.grad(loss, wrt, allow_unused=True)
+            got = _gradients(model, loss, wrt)
             grads = {n: g for (n, _), g in zip(params, got) if g is not None}
             input_grads = {n: g for (n, _), g in zip(named_inputs, got[len(params):]) if g is not None}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     return StepResult(merged, loss.detach(), grads, input_grads, buffers), target
+
+
+def _gradients(model: nn.Module, loss: torch.Tensor, wrt: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    try:
+        with torch_internal_warnings_ignored():  # cuBLAS's context warning from autograd's CUDA thread
+            return torch.autograd.grad(loss, wrt, allow_unused=True)
+    except PipecheckError:
+        raise
+    except Exception as err:
+        first = first_line(err)
+        if "use_reentrant=True" in str(err):
+            raise InputError(f"{type(model).__name__} uses torch.utils.checkpoint(..., use_reentrant=True), whose "
+                             "backward runs only under loss.backward(); a pipeline stage's backward (and the "
+                             "eager step pipecheck compares against) computes gradients with torch.autograd.grad. "
+                             "Fix: checkpoint(..., use_reentrant=False), torch's recommended mode.") from None
+        raise InputError(f"the eager model's backward failed ({type(err).__name__}: {first}). Fix: check that "
+                         "loss.backward() runs on this model eagerly.") from err
 
 
 def _call(model: nn.Module, call: inspect.BoundArguments, n_microbatches: int,
@@ -80,7 +96,7 @@ def _call(model: nn.Module, call: inspect.BoundArguments, n_microbatches: int,
     except PipecheckError:
         raise
     except Exception as err:
-        first = (str(err).strip().splitlines() or [""])[0]
+        first = first_line(err)
         failed = f"the eager model failed on {'one micro-batch of ' if n_microbatches > 1 else ''}its inputs"
         mismatch = _placement_mismatch(model, call.arguments)
         if mismatch:
@@ -128,18 +144,6 @@ def _placement_mismatch(model: nn.Module, arguments: dict[str, Any]) -> str:
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-@contextmanager
-def buffers_kept(model: nn.Module) -> Iterator[None]:
-    """Run a block and put the model's buffers back as they were (a forward may update them)."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
 
 
 @contextmanager

@@ -42,8 +42,13 @@ class RankError:
     @property
     def summary(self) -> str:
         """``"ValueError: bad shape"``: the type and the first line of the message."""
-        first = next((line.strip() for line in self.message.splitlines() if line.strip()), "")
+        first = first_line(self.message)
         return f"{self.exc_type}: {first}" if first else self.exc_type
+
+
+def first_line(text: object) -> str:
+    """The first non-blank line of ``str(text)``, stripped ("" if there is none): a message's headline."""
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
 
 
 def plural(count: int, noun: str) -> str:

@@ -42,6 +42,18 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Run a block and put the model's buffers back as they were (a forward may update them)."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
 def build_module(model: ModelLike) -> tuple[nn.Module, bool]:
     """``(module, owned)``: a factory's fresh module (owned) or the caller's own (not owned)."""
     if isinstance(model, nn.Module):

@@ -29,6 +29,7 @@ from pipecheck._errors import (
     RankTimeoutError,
     TaskPickleError,
     WorldError,
+    first_line,
     plural,
 )
 from pipecheck._job import Job
@@ -142,15 +143,11 @@ def merge_stage_grads(stage_grads: Mapping[int, Mapping[str, torch.Tensor]], tie
     return grads, {fqn: by_stage for fqn, by_stage in replicas.items() if by_stage}
 
 
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
-
-
 def failure_error(error: RankError, engine: str, when: str, setting: str) -> EngineError:
     """A rank's failure inside ``engine`` as an EngineError: its message first (what a table cell
     shows), then the rank, stage and action, the settings and the rank's traceback."""
     cause = error.causes[-1] if error.causes else (error.exc_type, error.message)
-    message = _first_line(cause[1])
+    message = first_line(cause[1])
     first = f"{cause[0].rsplit('.', 1)[-1]}: {message}" if message else cause[0]
     where = f", during {error.action}" if error.action else ""
     return EngineError(
@@ -168,5 +165,5 @@ def engine_error(err: WorldError, engine: str, when: str, setting: str) -> Engin
         return EngineError(f"{engine} did not finish within {err.timeout} s (rank(s) "
                            f"{', '.join(map(str, err.ranks))} stuck {when}; {setting}).\n{err}", engine=engine,
                            rank=err.ranks[0] if err.ranks else None)
-    return EngineError(f"{engine} could not run: {_first_line(str(err))} ({setting})\n{err}", engine=engine,
+    return EngineError(f"{engine} could not run: {first_line(str(err))} ({setting})\n{err}", engine=engine,
                        rank=getattr(err, "rank", None), stage=getattr(err, "stage", None))

@@ -60,6 +60,7 @@ from pipecheck._errors import (
     RankTimeoutError,
     TaskPickleError,
     WorldError,
+    first_line,
 )
 from pipecheck._job import Job
 from pipecheck._markers import SplitPoint
@@ -184,21 +185,17 @@ def torch_message(error: RankError) -> tuple[str, str | None]:
     """``(message, context)`` of a rank's failure inside torch: the innermost cause's message in one
     line, and where torch wrapped it ("[Stage 0] failed to run forward") as context."""
     if error.exc_type == _OWN_ERROR:
-        return _first_line(error.message), None
-    telling = [(kind, message) for kind, message in error.causes if _first_line(message)]
+        return first_line(error.message), None
+    telling = [(kind, message) for kind, message in error.causes if first_line(message)]
     if telling:  # the innermost cause that says something (a bare StopIteration deep inside fx says nothing)
         cause_type, cause_message = telling[-1]
-        return _one_line(cause_type, cause_message), _first_line(error.message).rstrip(":") or error.exc_type
+        return _one_line(cause_type, cause_message), first_line(error.message).rstrip(":") or error.exc_type
     return _one_line(error.exc_type, error.message), None
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def _one_line(exc_type: str, message: str) -> str:
     """torch's own errors by their message; Python's built-in ones with their type, as Python prints them."""
-    first = _first_line(message)
+    first = first_line(message)
     if not first or "." not in exc_type:
         return f"{exc_type}: {first}".rstrip(": ")
     return first
@@ -212,7 +209,7 @@ def engine_error(err: WorldError, job: Job) -> EngineError:
         return EngineError(f"{ENGINE} did not finish within {err.timeout} s (rank(s) "
                            f"{', '.join(map(str, err.ranks))} stuck; {_setting(job)}).\n{err}", engine=ENGINE,
                            rank=err.ranks[0] if err.ranks else None)
-    return EngineError(f"{ENGINE} could not run: {_first_line(str(err))} ({_setting(job)})\n{err}", engine=ENGINE,
+    return EngineError(f"{ENGINE} could not run: {first_line(str(err))} ({_setting(job)})\n{err}", engine=ENGINE,
                        rank=getattr(err, "rank", None), stage=getattr(err, "stage", None))
 
 

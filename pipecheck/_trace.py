@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from pipecheck._errors import SplitError, TraceError
 from pipecheck._markers import SplitPoint
 from pipecheck._microbatch import unwrap_replicated
+from pipecheck._model_factory import buffers_kept, seeded
 from pipecheck._trace_export import trace_export
 from pipecheck._trace_fx import trace_fx
 from pipecheck._traced import Traced
@@ -69,16 +70,11 @@ _PLAIN_LEAVES = (torch.Tensor, int, float, bool, complex, str, bytes, type(None)
 
 def _refuse_unsupported_output(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A SplitError naming the class when ``forward`` returns an object torch's pytree does not know."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with torch.no_grad():
+        with seeded(0), buffers_kept(model), torch.no_grad():  # the caller's RNG and buffers untouched
             outputs = model(*unwrap_replicated(args), **unwrap_replicated(kwargs))
     except Exception:
         return  # the model fails eagerly too: the trace error says more
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
     odd = sorted({type(leaf).__qualname__ for leaf in pytree.tree_leaves(outputs) if not isinstance(leaf, _PLAIN_LEAVES)})
     if odd:
         raise SplitError(

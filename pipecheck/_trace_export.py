@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._autograd_functions import functions_as_calls, functions_in_export
-from pipecheck._errors import InputError, TraceError
+from pipecheck._errors import InputError, TraceError, first_line
 from pipecheck._inputs import bind_signature
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
 from pipecheck._microbatch import unwrap_replicated
@@ -34,7 +34,7 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         with functions_in_export() as functions, torch_internal_warnings_ignored():
             exported = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as err:  # export raises many kinds; the message names the construct
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        first = first_line(err)
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}: {type(err).__name__}: {first}\n"
             "Fix: remove data-dependent control flow from forward, or try tracer='fx'."

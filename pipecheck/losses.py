@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecheck._errors import LossError, PipecheckError
+from pipecheck._errors import LossError, PipecheckError, first_line
 from pipecheck._microbatch import split_microbatches
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -108,7 +108,7 @@ class MicrobatchLoss:
         except PipecheckError:
             raise
         except Exception as err:
-            first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+            first = first_line(err)
             raise LossError(
                 f"loss_fn {_name(self.loss_fn)!r} raised {type(err).__name__}: {first} on micro-batch "
                 f"{microbatch} of {len(self.targets)} (outputs: {_describe(outputs)}; target: "

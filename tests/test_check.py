@@ -474,6 +474,19 @@ def test_a_gradient_eager_does_not_have_fails_unless_zero() -> None:
     assert err.report.hints["grad layers.0.fc.weight_renamed"].startswith("eager computes no gradient here")
 
 
+def _gradient_for_an_input_that_needs_none(job: pc.Job) -> pc.StepResult:
+    result = run_reference(job)
+    result.input_grads["x"] = torch.ones(8, 4)
+    return result
+
+
+def test_an_input_gradient_eager_does_not_have_is_named_as_an_input_read_by_its_stage() -> None:
+    err = _failure("skip_one", "markers", _gradient_for_an_input_that_needs_none)
+    row = err.report.row("grad input x")
+    assert _failing(err) == ["grad input x"] and row.stages == (0,) and row.tolerance == "zero expected"
+    assert err.report.hints["grad input x"].startswith("eager computes no gradient for this input")
+
+
 # --------------------------------------------------------------------------- input gradients
 
 

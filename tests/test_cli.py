@@ -302,12 +302,12 @@ def test_the_cli_knows_every_builtin_runner_and_each_installed_engine() -> None:
 def test_modules_import_from_the_current_directory_as_with_python_m(tmp_path: Path, monkeypatch) -> None:
     """The `pipecheck` script's sys.path starts with its bin directory, not the current one; spawned
     ranks inherit the driver's sys.path, so they import the user's module from there too."""
-    from pipecheck._cli import _load
+    from pipecheck._cli_options import load_object
 
     name = f"cli_models_{os.getpid()}"
     (tmp_path / f"{name}.py").write_text("def make():\n    return 7\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, name, raising=False)
-    assert _load(f"{name}:make", "the model factory")() == 7
+    assert load_object(f"{name}:make", "the model factory")() == 7
     assert sys.path[0] == str(tmp_path)

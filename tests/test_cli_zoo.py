@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipecheck._cli import main, markers, stages_per_rank_for
+from pipecheck._cli import main
+from pipecheck._cli_zoo import markers, stages_per_rank_for
 
 
 @pytest.mark.parametrize("runner,schedule,default,want", [

@@ -73,10 +73,11 @@ def test_the_zoo_exit_code_counts_only_pipecheck_s_own_runners(capsys: pytest.Ca
 def test_the_cli_names_the_pip_command_for_an_engine_not_installed(
         installed: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str],
         name: str) -> None:
-    from pipecheck import _cli
+    from pipecheck import _cli_options
 
     installed()
-    monkeypatch.setattr(_cli, "RUNNERS", tuple(r for r in _cli.RUNNERS if r not in _optional_runners.OPTIONAL))
+    monkeypatch.setattr(_cli_options, "RUNNERS",
+                        tuple(r for r in _cli_options.RUNNERS if r not in _optional_runners.OPTIONAL))
     assert main([part.format(name=name) for part in command]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"pipecheck: input error: runner={name!r} needs {name}, which is not installed. "

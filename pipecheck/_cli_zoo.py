@@ -1,0 +1,154 @@
+"""``pipecheck zoo``: every zoo model through every runner (or runner and schedule), as a table
+that can be written into a README between markers.
+
+    pipecheck zoo --write-markdown README.md                   # the main table
+    pipecheck zoo --columns distributed:zb,torch:zbv --write-markdown README.md --block zero-bubble
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pipecheck import _optional_runners
+from pipecheck._cli_options import RUNNERS, device_option, dtype_option, runner_option
+from pipecheck._errors import (
+    EquivalenceError,
+    PipecheckError,
+    ScheduleError,
+    UsageError,
+    first_line,
+    plural,
+)
+
+ZOO_STATUS = ("zoo exits 0 when every cell of pipecheck's own runners passes, 1 when one of them is FAIL,\n"
+              "3 when one is ERROR; the columns of the engines under test (torch, deepspeed, torchtitan) show\n"
+              "their known failures and never change it.")
+NOT_COUNTED = ("torch", *_optional_runners.OPTIONAL)  # zoo columns (other engines) that never change its exit status
+
+
+def zoo_cell(run: Callable[[], Any]) -> tuple[str, str]:
+    """``(text, outcome)`` of one zoo cell; outcome is "pass", "fail" or "error"."""
+    report: Any
+    try:
+        report = run()
+    except EquivalenceError as err:
+        report = err.report
+        row = report.failures[0]
+        hint = report.hints.get(row.name)
+        return f"FAIL {row.name}" + (f" ({hint.split(':')[0]})" if hint else ""), "fail"
+    except ScheduleError as err:  # a layout the schedule cannot run, refused before any rank starts
+        return f"n/a: {_refusal(err)}", "pass"
+    except PipecheckError as err:
+        first = first_line(err)
+        return f"ERROR {type(err).__name__}: {first[:70]}", "error"
+    worst = max((r.max_abs for r in report.rows if r.numel), default=0.0)
+    return f"pass (max abs {worst:.1e})", "pass"
+
+
+def _refusal(err: Exception) -> str:
+    """The rule a refused layout breaks, in a few words (the message's first problem)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    problem = next((line[2:] for line in lines if line.startswith("- ")), lines[0] if lines else "")
+    return problem.split(";")[0][:80]
+
+
+def stages_per_rank_for(runner: str, schedule: str, default: int) -> int:
+    """The stages per rank ``schedule`` runs on ``runner`` (2 for the V schedules), else ``default``."""
+    from pipecheck._torch_schedules import ALIASES, TORCH_SCHEDULES
+    from pipecheck.schedules import stages_per_rank_of
+
+    if runner == "torch":
+        key = ALIASES.get(schedule.strip().lower().replace("-", "_"))
+        required = TORCH_SCHEDULES[key].stages_per_rank if key else None
+    else:
+        required = stages_per_rank_of(schedule)
+    return default if required is None else required
+
+
+def cmd_zoo(args: argparse.Namespace) -> int:
+    schedules = args.schedules.split(",") if args.schedules else [args.schedule]
+    if args.columns:
+        pairs = [(column.partition(":")[0], column.partition(":")[2] or args.schedule)
+                 for column in args.columns.split(",")]
+        schedules = list(dict.fromkeys(schedule for _, schedule in pairs))
+    else:
+        pairs = [(spec, schedule) for spec in (args.runners.split(",") if args.runners else RUNNERS)
+                 for schedule in schedules]
+    columns = [(*runner_option(spec), schedule) for spec, schedule in pairs]  # (column, runner, schedule)
+    if args.write_markdown:  # a file without the markers fails now, not after the zoo
+        write_marked_block(args.write_markdown, None, args.block)
+    device = device_option(args.device)
+
+    import pipecheck as pc
+    from pipecheck._report import format_plain_table
+    from pipecheck.fixtures import entries
+
+    try:
+        zoo = entries(args.models.split(",") if args.models else ())
+    except KeyError as err:
+        raise UsageError(f"--models: {err.args[0]}. Fix: choose from those names and tags.") from None
+    rows, outcomes = [], set()
+    started = time.perf_counter()
+    for entry in zoo:
+        style = entry.cut_styles[0]
+        call_args, call_kwargs = entry.inputs()
+        cells = [entry.name, str(entry.num_stages), style]
+        for column, runner, schedule in columns:
+            run = functools.partial(
+                pc.assert_equivalent, entry.factory(style), call_args, call_kwargs, runner=runner,
+                loss_fn=entry.loss_fn, target=entry.target(), n_microbatches=args.n_microbatches,
+                schedule=schedule, stages_per_rank=stages_per_rank_for(column, schedule, args.stages_per_rank),
+                dtype=dtype_option(args.dtype), device=device, timeout=args.timeout, **entry.cut(style))
+            text, outcome = zoo_cell(run)
+            if column not in NOT_COUNTED:
+                outcomes.add(outcome)
+            cells.append(text)
+        rows.append(cells)
+        if args.verbose:
+            print(" | ".join(cells), file=sys.stderr)
+    names = [column if len(schedules) == 1 else schedule if len(set(c for c, _, _ in columns)) == 1
+             else f"{column} {schedule}" for column, _, schedule in columns]
+    headers = ["model", "stages", "cut", *names]
+    what = f"schedule {schedules[0]}" if len(schedules) == 1 else f"schedules {', '.join(schedules)}"
+    across = (f"{len(columns)} columns" if args.columns or len(schedules) > 1
+              else plural(len(columns), "runner"))
+    summary = (f"{plural(len(rows), 'model')} x {across}, {args.dtype}, {plural(args.n_microbatches, 'micro-batch')}, "
+               f"{what}, in {time.perf_counter() - started:.1f}s")
+    print(format_plain_table(headers, rows, markdown=args.markdown))
+    print(f"\n{summary}")
+    if args.write_markdown:
+        table = format_plain_table(headers, rows, markdown=True)
+        command = " ".join(["python -m pipecheck", *args.argv])
+        write_marked_block(args.write_markdown, f"{table}\n\n_{summary}; generated by `{command}`._", args.block)
+    return 1 if "fail" in outcomes else 3 if "error" in outcomes else 0
+
+
+def markers(block: str | None) -> tuple[str, str]:
+    """The begin/end markers of the zoo table ``block`` (None: the main one)."""
+    name = f"pipecheck-zoo-{block}" if block else "pipecheck-zoo"
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def write_marked_block(path: str, body: str | None, block: str | None = None) -> None:
+    """Replace the text between the zoo markers of ``block`` in ``path`` (a README) with ``body``
+    (None: only check that they are there)."""
+    from pathlib import Path
+
+    begin, end = markers(block)
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise UsageError(f"cannot read --write-markdown {path}: {err.strerror}. Fix: give an existing "
+                         "markdown file, e.g. README.md.") from None
+    if begin not in text or end not in text:
+        raise UsageError(f"{path} has no {begin} ... {end} block to write the zoo table into. Fix: add "
+                         "the two markers where the table belongs.")
+    if body is not None:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        Path(path).write_text(f"{head}{begin}\n{body}\n{end}{tail}")
