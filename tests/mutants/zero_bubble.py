@@ -31,7 +31,7 @@ from pipecheck._stage_step import (
 )
 from pipecheck.schedules import Action, make_schedule
 
-from .runners import FIRST_GRAD, BaseRunner, _merge_input_grads
+from .runners import FIRST_GRAD, STAGE_1_PARAM, BaseRunner, _merge_input_grads
 
 Key = tuple[int, str, int]  # (producer stage, value name, micro-batch)
 
@@ -147,22 +147,7 @@ class WeightCrossesMicrobatches(ZeroBubbleRunner):
 
     name = "weight_crosses_microbatches"
     bug = "an I/W pair crossing micro-batches: W seeded with the latest I's output gradient, not its own"
-    # A parameter of stage 1 (the first stage whose W are deferred) of every zoo model.
-    EXPECT: ClassVar[dict[str, str]] = {
-        "mlp": "grad layers.1.fc.weight",
-        "skip_one": "grad b.fc.weight",
-        "long_skip": "grad blocks.1.fc.weight",
-        "tiny_gpt": "grad blocks.0.fc.weight",
-        "alias_reuse": "grad mid.fc.weight",
-        "kwarg_last": "grad blocks.1.fc.weight",
-        "kwarg_default": "grad blocks.1.fc.weight",
-        "buffers": "grad blocks.1.fc.weight",
-        "dict_outputs": "grad blocks.1.fc.weight",
-        "nested_spec": "grad encoder.layers.1.fc.weight",
-        "encoder_decoder": "grad decoder.0.self_fc.weight",
-        "running_stats": "grad fc1.weight",
-        "titan_lm": "grad layers.1.fc.weight",
-    }
+    EXPECT: ClassVar[dict[str, str]] = STAGE_1_PARAM  # stage 1: the first whose W are deferred
 
     def __init__(self) -> None:
         self.slot: dict[int, list[torch.Tensor]] = {}
