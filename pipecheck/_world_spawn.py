@@ -92,10 +92,24 @@ def refuse_unguarded_main() -> None:
     spawned child it is a :class:`WorldStartError` saying what to fix.
     """
     if not in_spawned_import():
+        _refuse_main_without_a_file()
         return
     if multiprocessing.current_process().name.startswith(RANK_NAME):
         _exit_now(UNGUARDED_MAIN_EXIT)
     raise WorldStartError(UNGUARDED_MAIN)
+
+
+def _refuse_main_without_a_file() -> None:
+    """Ranks import the main script again from its path; a script read from standard input
+    (``python - < script.py``) has none, and every rank would die inside multiprocessing."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is None and isinstance(path, str) and not os.path.exists(path):
+        raise WorldStartError(
+            f"the main script is {path!r}, not a file (read from standard input?), and each of pipecheck's "
+            "worker processes imports the main script again from its path. Fix: save the script to a file "
+            "and run `python script.py`."
+        )
 
 
 def process_context() -> Any:  # a SpawnContext or ForkServerContext

@@ -178,3 +178,16 @@ def test_the_export_tracer_keeps_torch_s_internal_warnings_to_itself() -> None:
         warnings.simplefilter("always")
         warnings.warn("the user's own warning", UserWarning, stacklevel=1)
     assert len(after) == 1  # nothing filtered outside pipecheck's calls
+
+
+def test_a_script_read_from_standard_input_is_told_to_become_a_file(tmp_path: Path) -> None:
+    """Ranks import the main script again by path; `python - < script.py` has none. One message,
+    raised in the driver before any rank starts (never multiprocessing's traceback from each rank)."""
+    body = HEADER + 'if __name__ == "__main__":\n    pc.assert_equivalent(make_model, (x,), runner="distributed")\n'
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-"], input=body, cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1
+    assert "WorldStartError: the main script is '<stdin>', not a file" in result.stderr
+    assert "Fix: save the script to a file" in result.stderr
+    assert "multiprocessing" not in result.stderr, result.stderr
