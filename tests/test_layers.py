@@ -26,7 +26,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "_deepspeed_layers", "_deepspeed_rank", "_titan_rank"),
     "runners": ("_job", "_runners", "_distributed_runner", "_torch_runner", "_deepspeed_runner", "_titan_runner"),
     "check": ("_numerics", "_diagnose", "_eager", "_compare", "_report", "_check", "strategies", "engines"),
-    "faces": ("__init__", "__main__", "_cli", "plugin"),
+    "faces": ("__init__", "__main__", "_cli", "_cli_options", "_cli_zoo", "plugin"),
 }
 RANK = {"base": 0, "split": 1, "world": 1, "runtime": 2, "runners": 3, "check": 4, "faces": 5}
 PEERS = {frozenset({"split", "world"})}  # same rank, and neither may import the other

@@ -242,11 +242,11 @@ def test_check_appends_the_repro_to_a_raising_loss_fn_s_loss_error() -> None:
 
 def test_check_notes_the_repro_on_errors_outside_pipecheck() -> None:
     case = PipelineCase(TWO_LINEARS, {"l1": B})
-    with pytest.raises(TypeError) as info:  # torch's own refusal of a dtype that is not a torch.dtype
-        case.check(dtype="float32")
+    with pytest.raises(RuntimeError) as info:  # torch's own refusal of a seed that is not a number
+        case.check(seed="zero")
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "def test_pipeline_case()" in notes
-    assert "dtype='float32'" in notes
+    assert "seed='zero'" in notes
 
 
 def test_planted_tied_bug_is_found_shrunk_and_reproduced_by_the_printed_script(
