@@ -13,6 +13,7 @@ run like ``torch.testing``; ``"exact"`` demands bitwise equality with it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,8 +89,11 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
     if eager.is_complex() or test.is_complex():  # compared as (real, imaginary) pairs
         if not (eager.is_complex() and test.is_complex()):
             return _failing_row(name, stages, shape, f"runner's dtype {test.dtype} != eager's {eager.dtype}", tol_text)
-        test, eager = torch.view_as_real(test.detach()), torch.view_as_real(eager.detach())
-        ref64 = torch.view_as_real(ref64.detach()) if isinstance(ref64, torch.Tensor) and ref64.is_complex() else ref64
+        real = torch.view_as_real(ref64.detach()) if isinstance(ref64, torch.Tensor) and ref64.is_complex() else ref64
+        row = compare(name, torch.view_as_real(test.detach()), torch.view_as_real(eager.detach()), real, tolerance,
+                      stages)
+        index = row.worst_index[:-1] if row.worst_index is not None else None  # the element, not its part
+        return dataclasses.replace(row, shape=shape, worst_index=index)
     device = eager.device  # compared where eager's result lives: no copy to the host per tensor
     test64 = test.detach().to(device=device, dtype=torch.float64)
     eager64 = eager.detach().to(dtype=torch.float64)

@@ -85,4 +85,6 @@ def test_complex_parameters_keep_their_imaginary_part_and_are_compared_as_pairs(
     assert report.row("grad phase").shape == (4,) and report.row("grad phase").max_abs < 1e-5
     with pytest.raises(pc.EquivalenceError) as caught:
         pc.assert_equivalent(ComplexPhase, (x,), runner=imaginary_part_of_a_grad_dropped, n_microbatches=2)
+    failing = caught.value.report.row("grad phase")
     assert [row.name for row in caught.value.report.rows if not row.ok] == ["grad phase"]
+    assert failing.shape == (4,) and failing.worst_index is not None and len(failing.worst_index) == 1
