@@ -14,7 +14,10 @@ side-effectful.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import sys
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -58,6 +61,34 @@ class SplitPoint(enum.Enum):
     END = "END"
 
 
+# torch.distributed.pipelining's own ``pipe_split()``, which a model marked for torch's pipeline()
+# calls: it runs ``torch.ops.pippy._pipe_split()``, an op registered when torch.distributed.pipelining
+# is imported (the splitter itself imports nothing of torch.distributed).
+TORCH_PIPE_SPLIT_MODULE = "torch.distributed.pipelining._IR"
+
+
+@contextlib.contextmanager
+def torch_markers_recorded() -> Iterator[None]:
+    """While pipecheck's fx tracer runs, torch's ``pipe_split()`` records a cut as pipecheck's does
+    (fx records no call without a traced argument, and torch's marker has none)."""
+    if TORCH_PIPE_SPLIT_MODULE not in sys.modules:
+        yield
+        return
+    namespace = torch.ops.pippy
+    original = getattr(namespace, "_pipe_split")  # noqa: B009 - the op exists only at run time
+    setattr(namespace, "_pipe_split", pipe_split)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(namespace, "_pipe_split", original)  # noqa: B010
+
+
 def is_marker(node: fx.Node) -> bool:
-    """True for the node a ``pipe_split()`` call becomes under either tracer."""
-    return node.op == "call_function" and node.target in (pipe_split, PIPE_SPLIT_OP)
+    """True for the node a ``pipe_split()`` call becomes under either tracer: pipecheck's, or
+    torch.distributed.pipelining's (recorded as pipecheck's under fx, the ``pippy::_pipe_split`` op
+    under export)."""
+    if node.op != "call_function":
+        return False
+    if node.target in (pipe_split, PIPE_SPLIT_OP):
+        return True
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.name() == "pippy::_pipe_split"

@@ -26,7 +26,7 @@ import torch.nn as nn
 from pipecheck._autograd_functions import functions_as_calls_in_fx
 from pipecheck._errors import InputError, TraceError
 from pipecheck._inputs import bind_signature
-from pipecheck._markers import SplitPoint, _active_fx_tracer, pipe_split
+from pipecheck._markers import SplitPoint, _active_fx_tracer, pipe_split, torch_markers_recorded
 from pipecheck._microbatch import unwrap_replicated
 from pipecheck._traced import Traced, has_tensor, resolve, unused_spec
 
@@ -75,7 +75,7 @@ class _SplitTracer(fx.Tracer):
         return forward, [self.root]
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        with functions_as_calls_in_fx(self):
+        with functions_as_calls_in_fx(self), torch_markers_recorded():
             return super().trace(root, concrete_args)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -505,3 +505,31 @@ Pipe(Buffers, 3 stages, tracer=export)
     outputs: model outputs
     params:  blocks.2.fc.weight, blocks.2.fc.bias, blocks.2.norm.weight, blocks.2.norm.bias
     buffers: scale, step""")
+
+
+class TorchMarked(nn.Module):
+    """Marked for torch.distributed.pipelining's pipeline(), with torch's own pipe_split()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.pipelining import pipe_split as torch_pipe_split
+
+        h = torch.relu(self.a(x))
+        torch_pipe_split()
+        return self.b(h)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_torch_s_own_pipe_split_markers_cut_too(tracer: str) -> None:
+    """A model already marked for torch's pipeline() is cut where torch would cut it, not checked as
+    one stage; torch's markers are left working for torch afterwards."""
+    import torch.distributed.pipelining  # noqa: F401 - registers torch's marker op
+
+    x = torch.randn(8, 4)
+    pipe = pc.split(TorchMarked(), (x,), tracer=tracer)
+    assert pipe.num_stages == 2 and pipe.stage_params(1) == ["b.weight", "b.bias"]
+    assert pc.assert_equivalent(TorchMarked, (x,), runner="reference", n_microbatches=2, tracer=tracer).num_stages == 2
+    TorchMarked()(x)  # eager still runs torch's marker as torch's no-op
