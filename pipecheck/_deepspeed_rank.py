@@ -51,7 +51,7 @@ from pipecheck._inputs import cast_inputs
 from pipecheck._microbatch import split_microbatches, unwrap_replicated
 from pipecheck._model_factory import ModelFactory
 from pipecheck._pipe import Pipe, Source, split
-from pipecheck._worker import RankContext
+from pipecheck._worker import RankContext, any_rank
 from pipecheck.losses import LossFn, MicrobatchLoss
 from pipecheck.policies import Policy
 
@@ -86,7 +86,6 @@ class DeepSpeedRankResult:
     stage: int | None = None
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # this stage's, by FQN
     outputs: list[Any] = field(default_factory=list)  # last stage: per micro-batch, in order
-    losses: list[torch.Tensor] = field(default_factory=list)  # last stage: per micro-batch
     loss: torch.Tensor | None = None  # what train_batch returned
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     input_grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
@@ -96,20 +95,18 @@ class DeepSpeedRankResult:
 
 class RecordingLoss:
     """DeepSpeed's loss_fn: the job's loss of micro-batch ``label``; records the outputs DeepSpeed
-    gives it and the losses, by micro-batch."""
+    gives it, by micro-batch."""
 
     def __init__(self, loss_of: MicrobatchLoss, restructure: Callable[[Any], Any]) -> None:
         self.loss_of = loss_of
         self.restructure = restructure
         self.outputs: dict[int, Any] = {}
-        self.losses: dict[int, torch.Tensor] = {}
 
     def __call__(self, outputs: Any, label: torch.Tensor) -> torch.Tensor:
         microbatch = int(label.reshape(-1)[0])
         outputs = self.restructure(outputs)
         loss = self.loss_of(microbatch, outputs)
         self.outputs[microbatch] = pytree.tree_map(_to_cpu, outputs)
-        self.losses[microbatch] = loss.detach().cpu()
         return loss
 
 
@@ -183,13 +180,6 @@ def _config(setup: EngineSetup) -> dict[str, Any]:
     }
 
 
-def _agree(ctx: RankContext, failed: bool) -> bool:
-    """True when any rank failed to prepare: then every rank stops before DeepSpeed communicates."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=ctx.comm_device)
-    dist.all_reduce(flag, group=ctx.group)
-    return bool(flag.item() > 0)
-
-
 def deepspeed_rank_step(ctx: RankContext, spec: Any) -> DeepSpeedRankResult:
     """What every rank runs (top-level, so it pickles). ``spec.setup(ctx)`` builds the rank's
     :class:`EngineSetup`; a failure there is agreed on by all ranks and returned as data, so the
@@ -205,7 +195,7 @@ def deepspeed_rank_step(ctx: RankContext, spec: Any) -> DeepSpeedRankResult:
         setup = spec.setup(ctx)
     except Exception as err:
         failure = RankError.from_exception(err, ctx.rank, ctx.stage, ctx.action)
-    if _agree(ctx, setup is None):
+    if any_rank(ctx, setup is None):
         return DeepSpeedRankResult(ctx.rank, failure=failure, timings=timings)
     assert setup is not None
     result = _train_batch(ctx, deepspeed, setup)
@@ -256,7 +246,6 @@ def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSp
     result.loss = loss.detach().cpu().reshape(())
     recorded = sorted(setup.loss.outputs)
     result.outputs = [setup.loss.outputs[mb] for mb in recorded]
-    result.losses = [setup.loss.losses[mb] for mb in recorded]
     result.buffers = {setup.engine_fqn(name): b.detach().cpu().clone() for name, b in module.named_buffers()}
     result.input_grads = setup.input_grads(module)
     with _clock(result.timings, "teardown_s"):

@@ -47,12 +47,12 @@ from pipecheck._deepspeed_rank import (
     SplitModelSpec,
     deepspeed_rank_step,
 )
-from pipecheck._errors import EngineError, InputError, WorldError
+from pipecheck._errors import EngineError, InputError
 from pipecheck._job import Job
 from pipecheck._microbatch import merge_microbatches, split_microbatches, unwrap_replicated
 from pipecheck._pipe import Pipe, Source
 from pipecheck._result import StepResult
-from pipecheck._runners import engine_error, failure_error, merge_stage_grads, world_for
+from pipecheck._runners import engine_error, failure_error, merge_stage_grads, run_engine, world_for
 from pipecheck.losses import MicrobatchLoss
 
 
@@ -79,10 +79,8 @@ def _refuse(problems: Sequence[BoundaryProblem], what: str) -> None:
 
 def _run(job: Job, n_ranks: int, spec: Any, what: str) -> list[DeepSpeedRankResult]:
     world = world_for(job, n_ranks, what)
-    try:
-        results = world.run(deepspeed_rank_step, spec, timeout=job.timeout)
-    except WorldError as err:
-        raise engine_error(err, ENGINE, "in engine.train_batch", _setting(job)) from err
+    results = run_engine(world, deepspeed_rank_step, spec, job,
+                         lambda err: engine_error(err, ENGINE, "in engine.train_batch", _setting(job)))
     failed = [r.failure for r in results if r.failure is not None]
     if failed:
         raise failure_error(failed[0], ENGINE, "before train_batch", _setting(job))

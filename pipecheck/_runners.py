@@ -40,7 +40,6 @@ from pipecheck._result import StepResult
 from pipecheck._world import World, pickle_problem
 
 BUILTIN = ("reference", "distributed", "torch")
-OWN = ("reference", "distributed")  # pipecheck's own runners; the others check someone else's engine
 
 
 def available_runners() -> list[str]:
@@ -91,6 +90,19 @@ def run_on_world(world: World, fn: Callable[..., Any], spec: Any, job: Job) -> l
         return world.run(fn, spec, timeout=job.timeout)
     except TaskPickleError as err:
         raise unpicklable_part(job) or err from err.__cause__
+
+
+def run_engine(world: World, fn: Callable[..., Any], spec: Any, job: Job,
+               engine_failed: Callable[[WorldError], EngineError]) -> list[Any]:
+    """:func:`run_on_world` for an engine's ranks: a job that cannot travel to them stays the
+    TaskPickleError naming its part (not the engine's failure); any other World failure becomes
+    ``engine_failed(err)``."""
+    try:
+        return run_on_world(world, fn, spec, job)
+    except TaskPickleError:
+        raise
+    except WorldError as err:
+        raise engine_failed(err) from err
 
 
 _TOP_LEVEL = "a top-level function of an importable module (def ... at module level), not a lambda or a nested function"

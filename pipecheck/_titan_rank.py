@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
@@ -40,7 +39,7 @@ from pipecheck._inputs import cast_inputs
 from pipecheck._microbatch import split_microbatches
 from pipecheck._model_factory import ModelFactory
 from pipecheck._torch_rank import restructure
-from pipecheck._worker import RankContext
+from pipecheck._worker import RankContext, any_rank
 from pipecheck.losses import LossFn, MicrobatchLoss
 
 ENGINE = "torchtitan"
@@ -247,13 +246,6 @@ def _build(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared) -> None:
                                              loss_fn=prep.loss)
 
 
-def _agree(ctx: RankContext, stop: bool) -> bool:
-    """True when any rank cannot go on: then every rank stops before communicating."""
-    flag = torch.tensor([1.0 if stop else 0.0], device=ctx.comm_device)
-    dist.all_reduce(flag, group=ctx.group)
-    return bool(flag.item() > 0)
-
-
 def titan_rank_step(ctx: RankContext, spec: TitanStepSpec) -> TitanRankResult:
     """What every rank runs (top-level, so it pickles)."""
     result = TitanRankResult(ctx.rank)
@@ -262,7 +254,7 @@ def titan_rank_step(ctx: RankContext, spec: TitanStepSpec) -> TitanRankResult:
         prepared = _prepare(ctx, spec, result.timings)
     except Exception as err:
         result.failure = RankError.from_exception(err, ctx.rank, ctx.stage, ctx.action)
-    if _agree(ctx, not isinstance(prepared, _Prepared)):
+    if any_rank(ctx, not isinstance(prepared, _Prepared)):
         result.refusal = prepared if isinstance(prepared, Refusal) else None
         return result
     assert isinstance(prepared, _Prepared)

@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._errors import EngineError, InputError, WorldError
+from pipecheck._errors import EngineError, InputError
 from pipecheck._job import Job
 from pipecheck._microbatch import Replicated
 from pipecheck._pipe import Pipe
@@ -39,6 +39,7 @@ from pipecheck._runners import (
     failure_error,
     merge_stage_grads,
     ranks_needed,
+    run_engine,
     world_for,
 )
 from pipecheck._titan_rank import ENGINE, TitanRankResult, TitanStepSpec, titan_rank_step
@@ -197,10 +198,8 @@ class TorchtitanRunner:
         world = world_for(job, ranks_needed(pipe.num_stages, job.stages_per_rank), "runner='torchtitan'")
         setting = f"schedule {spec.schedule!r}, n_microbatches={job.n_microbatches}, module_names_per_stage=" \
                   f"{[list(s) for s in spec.module_names]}"
-        try:
-            results = world.run(titan_rank_step, spec, timeout=job.timeout)
-        except WorldError as err:
-            raise engine_error(err, ENGINE, "in schedule.step", setting) from err
+        results = run_engine(world, titan_rank_step, spec, job,
+                             lambda err: engine_error(err, ENGINE, "in schedule.step", setting))
         refused = next((r.refusal for r in results if r.refusal is not None), None)
         if refused is not None:
             raise EngineError(f"{refused.message}\n{ENGINE} refused before running: stage {refused.stage} (rank "

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -33,7 +32,7 @@ from pipecheck._microbatch import split_microbatches, unwrap_replicated
 from pipecheck._model_factory import ModelFactory
 from pipecheck._torch_schedules import TORCH_SCHEDULES, v_warmup_patch
 from pipecheck._torch_warnings import torch_internal_warnings_ignored
-from pipecheck._worker import RankContext
+from pipecheck._worker import RankContext, any_rank
 from pipecheck.losses import MicrobatchLoss
 
 
@@ -317,13 +316,6 @@ def _leaf_paths(out_spec: pytree.TreeSpec) -> list[str]:
     return ["output" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(numbered)[0]]
 
 
-def _agree(ctx: RankContext, failed: bool) -> bool:
-    """True when any rank failed to prepare: then every rank stops before communicating."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=ctx.comm_device)
-    dist.all_reduce(flag, group=ctx.group)
-    return bool(flag.item() > 0)
-
-
 def _step(ctx: RankContext, prep: _Prepared) -> TorchRankResult:
     mine = [stage.stage_index for stage in prep.stages]
     first, last = 0 in mine, prep.n_stages - 1 in mine
@@ -359,7 +351,7 @@ def torch_rank_step(ctx: RankContext, spec: TorchStepSpec) -> TorchRankResult:
         failure = RankError.from_exception(err, ctx.rank, ctx.stage, ctx.action)
     # A failure before any communication is agreed on, so no rank waits for a peer that gave up
     # and the World's processes stay up; the failing ranks say why.
-    if _agree(ctx, prepared is None):
+    if any_rank(ctx, prepared is None):
         return TorchRankResult(ctx.rank, failure=failure)
     assert prepared is not None
     return _step(ctx, prepared)

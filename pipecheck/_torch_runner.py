@@ -58,7 +58,6 @@ from pipecheck._errors import (
     RankError,
     RankFailedError,
     RankTimeoutError,
-    TaskPickleError,
     WorldError,
     first_line,
 )
@@ -66,7 +65,7 @@ from pipecheck._job import Job
 from pipecheck._markers import SplitPoint
 from pipecheck._pipe import COMPUTE_OPS, Pipe
 from pipecheck._result import StepResult
-from pipecheck._runners import merge_stage_grads, ranks_needed, run_on_world, world_for
+from pipecheck._runners import merge_stage_grads, ranks_needed, run_engine, world_for
 from pipecheck._torch_rank import TorchRankResult, TorchStepError, TorchStepSpec, torch_rank_step
 from pipecheck._torch_schedules import TORCH_SCHEDULES, torch_layout
 from pipecheck._traced import normalize_split_spec
@@ -142,12 +141,7 @@ def run_torch(job: Job) -> StepResult:
             "tensors straight to the process group, which gloo cannot read (every rank aborts). Fix: one GPU "
             "per rank (NCCL), device='cpu', or runner='distributed' (pipecheck's runtime stages GPU tensors "
             "through host memory).", engine=ENGINE)
-    try:
-        results = run_on_world(world, torch_rank_step, spec, job)
-    except TaskPickleError:
-        raise  # the job cannot travel to the ranks: not torch's failure
-    except WorldError as err:
-        raise engine_error(err, job) from err
+    results = run_engine(world, torch_rank_step, spec, job, lambda err: engine_error(err, job))
     failed = [r.failure for r in results if r.failure is not None]
     if failed:
         raise _engine_error(failed[0], "before running the schedule", job)

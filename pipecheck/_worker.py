@@ -190,6 +190,14 @@ class RankContext:
 # --- the worker process -----------------------------------------------------
 
 
+def any_rank(ctx: RankContext, this_rank: bool) -> bool:
+    """Whether ``this_rank`` holds on any rank (an all-reduce every rank must call): how ranks agree
+    to stop together, before an engine communicates, when one of them failed to prepare."""
+    flag = torch.tensor([1.0 if this_rank else 0.0], device=ctx.comm_device)
+    dist.all_reduce(flag, group=ctx.group)
+    return bool(flag.item() > 0)
+
+
 def _orphaned(parent_pid: int, driver_pid: int) -> bool:
     """The process that started this rank (the driver, or its forkserver) or the driver is gone."""
     if os.getppid() != parent_pid:

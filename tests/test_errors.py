@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from collections.abc import Callable
@@ -257,6 +258,13 @@ class WithLambda(nn.Module):
     pytest.param("distributed", _two_stages, {"loss_fn": lambda out, target: (out - target).square().mean(),
                                              "target": Y4},
                  ("loss_fn '<lambda>'", "Fix: define it as a top-level function"), id="loss-fn-lambda"),
+    pytest.param("deepspeed", _two_stages, {"loss_fn": lambda out, target: (out - target).square().mean(),
+                                           "target": Y4},
+                 ("loss_fn '<lambda>'", "Fix: define it as a top-level function"), id="loss-fn-lambda-deepspeed",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed")),
+    pytest.param("torchtitan", lambda: _two_stages(), {}, ("the model factory '<lambda>' cannot be pickled",),
+                 id="factory-lambda-torchtitan",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="needs torchtitan")),
     pytest.param("distributed", WithLambda(), {"split_spec": {"b": BEGIN}},
                  ("the model (WithLambda) cannot be pickled", "Fix: pass a zero-argument factory"),
                  id="module-holding-a-lambda"),
