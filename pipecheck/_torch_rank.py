@@ -30,7 +30,7 @@ from pipecheck._inputs import cast_inputs
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
 from pipecheck._microbatch import split_microbatches, unwrap_replicated
 from pipecheck._model_factory import ModelFactory
-from pipecheck._torch_schedules import TORCH_SCHEDULES, v_warmup_patch
+from pipecheck._torch_schedules import v_warmup_patch
 from pipecheck._torch_warnings import torch_internal_warnings_ignored
 from pipecheck._worker import RankContext, any_rank
 from pipecheck.losses import MicrobatchLoss
@@ -56,8 +56,8 @@ class TorchStepSpec:
     keep_markers: bool  # False for a policy: pipecheck drops the model's markers then
     out_spec_json: str  # the model's output structure (torch's stages return flat leaves); a TreeSpec
     # itself pickles only with a deprecation warning, so it travels as treespec_dumps text
-    torch_class: str = ""  # torch's schedule class (empty: the one TORCH_SCHEDULES gives for the layout)
-    stage_to_rank: tuple[int, ...] = ()  # where each stage runs (empty: stage s on rank s % world size)
+    torch_class: str  # torch's schedule class, chosen on the driver (pipecheck._torch_schedules.torch_layout)
+    stage_to_rank: tuple[int, ...]  # where each stage runs
 
     @property
     def out_spec(self) -> pytree.TreeSpec:
@@ -222,9 +222,7 @@ def _schedule(spec: TorchStepSpec, stages: list[Any], loss: Callable[..., torch.
               chunk_specs: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
     from torch.distributed.pipelining import schedules
 
-    chosen = TORCH_SCHEDULES[spec.schedule]
-    single = len(stages) == 1 and chosen.single is not None
-    cls = getattr(schedules, spec.torch_class or str(chosen.single if single else chosen.multi))
+    cls = getattr(schedules, spec.torch_class)
     options: dict[str, Any] = {"n_microbatches": spec.n_microbatches, "loss_fn": loss, "scale_grads": True,
                                "args_chunk_spec": chunk_specs[0], "kwargs_chunk_spec": chunk_specs[1]}
     return cls(stages[0], **options) if issubclass(cls, schedules.PipelineScheduleSingle) else cls(stages, **options)
@@ -285,8 +283,7 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     if pipe.num_stages != spec.n_stages:
         raise TorchStepError(f"torch's pipeline() cut the model into {plural(pipe.num_stages, 'stage')} where "
                              f"pipecheck cut {spec.n_stages}")
-    placement = spec.stage_to_rank or tuple(s % ctx.world_size for s in range(pipe.num_stages))
-    mine = [s for s, rank in enumerate(placement) if rank == ctx.rank]
+    mine = [s for s, rank in enumerate(spec.stage_to_rank) if rank == ctx.rank]
     ctx.stage = mine[0]
     stray = _non_last_outputs(pipe.split_gm, pipe.num_stages)
     if stray:
@@ -298,7 +295,7 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     stages = [pipe.build_stage(s, ctx.device, ctx.group) for s in mine]
     for stage in stages:
         _report_actions(ctx, stage)
-        if any(placement[s] == ctx.rank for s in (stage.stage_index - 1, stage.stage_index + 1)
+        if any(spec.stage_to_rank[s] == ctx.rank for s in (stage.stage_index - 1, stage.stage_index + 1)
                if 0 <= s < pipe.num_stages):
             v_warmup_patch(stage, stage.group_rank)  # a neighbour stage on this rank: the turn of a V
     target = cast_inputs(spec.target, None, ctx.device)

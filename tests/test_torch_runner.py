@@ -122,7 +122,8 @@ def test_targets_torch_cannot_chunk_travel_as_microbatch_indices() -> None:
     spec = TorchStepSpec(model=torch.nn.Identity, args=(), kwargs={},
                          loss_fn=lambda out, tgt: (out["w"] * tgt["w"]).sum(), target=target, n_microbatches=4,
                          schedule="1f1b", n_stages=1, module_cuts={}, keep_markers=True,
-                         out_spec_json=torch.utils._pytree.treespec_dumps(out_spec))
+                         out_spec_json=torch.utils._pytree.treespec_dumps(out_spec), torch_class="Schedule1F1B",
+                         stage_to_rank=(0,))
     chunks = pc.split_microbatches(target, 4, "target")
     loss = _LossOfMicrobatch(spec, target, by_index)
     output = torch.ones(2, 2)  # torch's last stage returns flat leaves; the loss sees the model's structure
