@@ -214,7 +214,16 @@ def named_tensors(result: StepResult) -> list[tuple[str, Any]]:
 
 
 def check_finite(eager: StepResult) -> None:
-    bad = [name for name, value in named_tensors(eager) if isinstance(value, torch.Tensor) and nonfinite(value)]
+    """Refuse an eager run with NaN anywhere, or an infinite loss or gradient. An infinite output is
+    a value like any other (a ``-inf`` logit masking padded vocabulary): compared as itself."""
+    outputs = {output_name(path) for path, _ in pytree.tree_flatten_with_path(eager.outputs)[0]}
+
+    def bad_value(name: str, value: Any) -> bool:
+        if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
+            return False
+        return bool(value.isnan().any()) if name in outputs else nonfinite(value)
+
+    bad = [name for name, value in named_tensors(eager) if bad_value(name, value)]
     if bad:
         raise NonFiniteError(
             f"the eager model itself produced NaN/Inf in: {', '.join(bad)}. No comparison is meaningful. "

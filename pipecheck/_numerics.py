@@ -158,4 +158,4 @@ def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff
 
 
 def nonfinite(value: torch.Tensor) -> bool:
-    return value.is_floating_point() and not bool(torch.isfinite(value).all())
+    return (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all())

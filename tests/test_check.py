@@ -309,6 +309,45 @@ class LogOfNegative(nn.Module):
         return torch.log(self.b(h))  # some elements are negative: NaN
 
 
+class MaskedPadding(nn.Module):
+    """Logits of padded vocabulary masked with -inf: an infinite output, a finite loss and gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 6)
+        self.register_buffer("pad", torch.tensor([0.0, 0.0, 0.0, 0.0, float("-inf"), float("-inf")]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        pc.pipe_split()
+        return self.b(h) + self.pad
+
+
+def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, target)
+
+
+def test_an_infinite_output_with_a_finite_loss_is_compared_not_refused() -> None:
+    x, target = torch.randn(8, 4), torch.randint(0, 4, (8,))
+    report = pc.assert_equivalent(MaskedPadding, (x,), runner="reference", n_microbatches=2, loss_fn=_cross_entropy,
+                                  target=target)
+    assert report.row("output").ok and report.row("grad b.weight").ok
+    err = _failure_of(MaskedPadding, x, _cross_entropy, target)
+    assert _failing(err) == ["output"]  # a runner that loses the mask still fails on it
+
+
+def _unmasked(job: pc.Job) -> pc.StepResult:
+    result = run_reference(job)
+    result.outputs = torch.nan_to_num(result.outputs, neginf=-1e4)
+    return result
+
+
+def _failure_of(model: Any, x: torch.Tensor, loss_fn: Any, target: torch.Tensor) -> pc.EquivalenceError:
+    with pytest.raises(pc.EquivalenceError) as info:
+        pc.assert_equivalent(model, (x,), runner=_unmasked, n_microbatches=2, loss_fn=loss_fn, target=target)
+    return info.value
+
+
 def test_nan_in_the_eager_model_is_a_nonfinite_error_not_a_mismatch() -> None:
     with pytest.raises(pc.NonFiniteError) as info:
         pc.assert_equivalent(LogOfNegative, (torch.randn(8, 4),), runner="reference")
