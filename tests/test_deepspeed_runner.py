@@ -209,7 +209,10 @@ def _check_layers(world: pc.World, layers: list[Any], inputs: Any, target: Any, 
 ])
 def test_a_layer_list_matches_the_same_layers_run_eagerly(pipecheck_world: Any, make: Any, loss_fn: Any) -> None:
     layers, inputs, target = make()
-    assert _check_layers(pipecheck_world(2), layers, inputs, target, loss_fn).ok
+    report = _check_layers(pipecheck_world(2), layers, inputs, target, loss_fn)
+    assert report.ok and not report.notes  # every buffer the layers hold was compared, none skipped
+    buffers = [row for row in report.rows if row.name.startswith("buffer ")]
+    assert bool(buffers) == (make is em.batchnorm_layers) and all(row.ok for row in buffers)
 
 
 @needs_deepspeed

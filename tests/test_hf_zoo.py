@@ -39,6 +39,12 @@ def test_hf_models_match_on_the_reference_and_the_runtime(pipecheck_world: Any, 
         report = check(name, runner, world)
         assert report.ok and report.tracer == "export" and report.num_stages == 2, (runner, report)
         assert "split by export" in report.headline()
+        if runner == "distributed" and name in TIED:  # each stage's copy of the tie holds the full gradient
+            replicas = {row.name for row in report.rows if row.name.startswith(f"grad {TIED[name]} (replica")}
+            assert replicas == {f"grad {TIED[name]} (replica in stage {s})" for s in (0, 1)}, replicas
+
+
+TIED = {"hf_gpt2": "transformer.wte.weight", "hf_bert": "bert.embeddings.word_embeddings.weight"}
 
 
 @pytest.mark.parametrize("name,tensor", [("hf_gpt2", "grad transformer.wte.weight"),
