@@ -32,7 +32,10 @@ import torch.utils._pytree as pytree
 from pipecheck._errors import TraceError
 from pipecheck._traced import resolve
 
-_FUNCTION_APPLY = torch.autograd.function.Function.__dict__["apply"]  # the classmethod itself
+# The classmethod itself: a Python ``classmethod`` up to torch 2.13, the C ``classmethod_descriptor`` of
+# ``torch._C._FunctionBase`` from 2.14 on. Both bind to a class with ``__get__(None, cls)``; only the
+# former has ``__func__``.
+_FUNCTION_APPLY = torch.autograd.function.Function.__dict__["apply"]
 _FUNCTION_CALLS: dict[type, Callable[..., Any]] = {}
 
 
@@ -55,7 +58,11 @@ def function_call(cls: type) -> Callable[..., Any]:
 
 
 def _original_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    return _FUNCTION_APPLY.__func__(cls, *args, **kwargs)
+    """torch's own ``Function.apply`` of ``cls``, as a plain function of the class."""
+    return _FUNCTION_APPLY.__get__(None, cls)(*args, **kwargs)
+
+
+_original_apply.__name__ = "apply"  # torch's allow_in_pre_dispatch_graph wraps only a function of that name
 
 
 class functions_as_calls_in_fx:  # noqa: N801 - a context manager read as a phrase
@@ -103,7 +110,7 @@ class functions_in_export:  # noqa: N801 - a context manager read as a phrase
     def __enter__(self) -> functions_in_export:
         try:
             from torch._export.wrappers import allow_in_pre_dispatch_graph
-            keep: Callable[..., Any] | None = allow_in_pre_dispatch_graph(_FUNCTION_APPLY.__func__)
+            keep: Callable[..., Any] | None = allow_in_pre_dispatch_graph(_original_apply)
         except Exception:  # a torch without it: nothing can be kept; refuse_lost says so
             keep = None
 
