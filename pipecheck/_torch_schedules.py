@@ -34,14 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipecheck._errors import EngineError, ScheduleError
+from pipecheck._errors import ScheduleError
 from pipecheck._schedule_data import round_robin, v_shape
 from pipecheck._schedule_sim import problem_list
 
 ENGINE = "torch.distributed.pipelining"
-
-# torch versions on which pipecheck's workaround for V placement is verified (see v_warmup_patch).
-V_PATCH_TORCH = ("2.13",)
 
 
 @dataclass(frozen=True)
@@ -123,13 +120,6 @@ def torch_layout(name: str, n_stages: int, n_microbatches: int, stages_per_rank:
     if not hasattr(schedules, class_name):
         raise ScheduleError(f"torch {torch.__version__} has no {class_name} (schedule {name!r}); "
                             "use a torch release that has it, or another schedule")
-    if schedule.placement == "v" and not torch.__version__.startswith(V_PATCH_TORCH):
-        raise EngineError(
-            f"runner='torch' runs {class_name} on stages built by torch's pipeline() only through a "
-            "workaround of a torch bug (its p2p warm-up sends to a neighbour stage on the same rank, which "
-            f"V placement has: gloo 'Pair is not connected'); the workaround is verified on torch "
-            f"{', '.join(V_PATCH_TORCH)} and this is torch {torch.__version__}. Fix: use torch "
-            f"{V_PATCH_TORCH[-1]}, or a loop-placed schedule ('interleaved_zb', 'interleaved').", engine=ENGINE)
     placement = v_shape(n_ranks) if schedule.placement == "v" else round_robin(n_stages, n_ranks)
     return TorchLayout(key, class_name, placement)
 
@@ -173,15 +163,15 @@ def v_warmup_patch(stage: Any, rank: int) -> None:
     exchanging a dummy tensor with the neighbour stages' ranks, even when a neighbour is on the same
     rank (the turn of a V: stages p - 1 and p on rank p - 1); gloo then fails with "Pair is not
     connected". Those messages carry nothing (same-rank stages pass tensors locally), so they are
-    dropped. This wraps a private method on torch's stage object of this step, never the user's model;
-    ``torch_layout`` refuses V schedules on torch versions where it is not verified.
-    """
-    import torch
+    dropped. This wraps a private method on torch's stage object of this step, never the user's model.
 
+    Keyed by a feature probe, not a version: torch up to 2.14 has the warm-up
+    (``_get_init_p2p_neighbors_ops``) and its bug; 2.15 has no warm-up, so there is nothing to drop.
+    The torch version matrix (docs/torch-versions.md) runs zbv and dualpipev on every torch it lists.
+    """
     original = getattr(stage, "_get_init_p2p_neighbors_ops", None)
-    if original is None:
-        raise EngineError(f"torch {torch.__version__}'s pipeline stage has no _get_init_p2p_neighbors_ops; "
-                          "pipecheck's workaround for V-placed schedules does not apply", engine=ENGINE)
+    if original is None:  # no warm-up exchange (torch >= 2.15): nothing is sent to the stage's own rank
+        return
 
     def without_self_messages() -> list[object]:
         return [op for op in original() if getattr(op, "group_peer", None) != rank]
