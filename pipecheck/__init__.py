@@ -18,6 +18,7 @@ import typing  # a module, so no typing names leak into the public namespace
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
+    "AdapterError": "pipecheck._errors",
     "assert_equivalent": "pipecheck._check",
     "DetachExecutor": "pipecheck._reference",
     "Edge": "pipecheck._pipe",
@@ -75,6 +76,7 @@ if typing.TYPE_CHECKING:
     from pipecheck._check import assert_equivalent
     from pipecheck._distributed_runner import run_pipeline
     from pipecheck._errors import (
+        AdapterError,
         EngineError,
         EquivalenceError,
         InputError,

@@ -33,6 +33,7 @@ from pipecheck._cli_options import (
 )
 from pipecheck._cli_zoo import ZOO_STATUS, cmd_zoo, markers
 from pipecheck._errors import (
+    AdapterError,
     EngineError,
     EquivalenceError,
     PipecheckError,
@@ -48,7 +49,7 @@ EXIT_STATUSES = {
     1: "a mismatch: a runner does not compute what the eager model computes",
     2: "usage or input error: a bad option, path, module or value, or an input pipecheck refuses",
     3: "engine or runtime error: the engine under test or pipecheck's worker processes failed to run",
-    4: "internal error: a bug in pipecheck",
+    4: "internal error: a bug in pipecheck, or its adapter to torch or an engine broken by their release",
 }
 DEBUG_ENV = "PIPECHECK_DEBUG"
 
@@ -61,6 +62,8 @@ def classify(error: BaseException) -> tuple[int, str]:
         return 2, "usage error"
     if isinstance(error, TaskPickleError):
         return 2, "input error"
+    if isinstance(error, AdapterError):
+        return 4, "pipecheck adapter error"
     if isinstance(error, EngineError):
         return 3, "engine error"
     if isinstance(error, WorldError):
@@ -190,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="for schedules that take any number")
     zoo.add_argument("--block", metavar="NAME", help="with --write-markdown: write between "
                      "<!-- pipecheck-zoo-NAME:begin/end --> instead of the main zoo markers")
+    zoo.add_argument("--json", metavar="FILE", help="also write every cell as JSON to FILE (model, column, "
+                     "schedule, text, outcome: pass, fail, error or adapter) with the torch version and exit status")
     zoo.add_argument("-v", "--verbose", action="store_true", help="print each row to stderr as it is done")
     common(zoo)
     zoo.set_defaults(func=cmd_zoo)

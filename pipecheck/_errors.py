@@ -10,6 +10,13 @@ from __future__ import annotations
 
 import traceback as _traceback
 from dataclasses import dataclass
+from pathlib import Path
+
+# pipecheck's own code: the package's modules, not the models it ships (fixtures) or generates (strategies).
+_OWN_CODE = Path(__file__).resolve().parent
+_NOT_OWN = (_OWN_CODE / "fixtures", _OWN_CODE / "strategies")
+# What an API that is missing or changed raises at the call site (attribute gone, keyword gone, module gone).
+_API_ERRORS = (AttributeError, TypeError, ImportError)
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,7 @@ class RankError:
     action: str | None
     traceback: str
     causes: tuple[tuple[str, str], ...] = ()
+    in_pipecheck: bool = False  # raised by pipecheck's own adapter code calling an engine's or torch's API
 
     @classmethod
     def from_exception(cls, error: BaseException, rank: int, stage: int | None, action: str | None,
@@ -37,13 +45,29 @@ class RankError:
             causes.append((_type_name(cause), str(cause)))
             cause = cause.__cause__
         text = traceback if traceback is not None else "".join(_traceback.format_exception(error))
-        return cls(_type_name(error), str(error), rank, stage, action, text, tuple(causes))
+        return cls(_type_name(error), str(error), rank, stage, action, text, tuple(causes),
+                   raised_in_pipecheck(error))
 
     @property
     def summary(self) -> str:
         """``"ValueError: bad shape"``: the type and the first line of the message."""
         first = first_line(self.message)
         return f"{self.exc_type}: {first}" if first else self.exc_type
+
+
+def raised_in_pipecheck(error: BaseException) -> bool:
+    """Whether ``error`` says an API pipecheck calls is missing or changed: an AttributeError,
+    TypeError or ImportError whose innermost frame is pipecheck's own code (a keyword torch no
+    longer takes fails at the caller's line; a model's or torch's own error is raised in theirs)."""
+    if not isinstance(error, _API_ERRORS) or isinstance(error, PipecheckError):
+        return False
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = Path(tb.tb_frame.f_code.co_filename).resolve()
+    return path.is_relative_to(_OWN_CODE) and not any(path.is_relative_to(other) for other in _NOT_OWN)
 
 
 def first_line(text: object) -> str:
@@ -100,6 +124,22 @@ class EngineError(PipecheckError):
 
     ``engine`` names the engine, ``rank`` and ``stage`` say where it failed when
     known, and ``cause`` is the failing rank's :class:`RankError`.
+    """
+
+    def __init__(self, message: str, *, engine: str | None = None, rank: int | None = None,
+                 stage: int | None = None, cause: RankError | None = None) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.rank = rank
+        self.stage = stage
+        self.cause = cause
+
+
+class AdapterError(PipecheckError):
+    """pipecheck's own adapter to an engine failed: an API of torch (or of the engine) that it calls is
+    missing or changed on the installed version. pipecheck's problem, not a finding about the engine.
+
+    ``engine``, ``rank``, ``stage`` and ``cause`` as on :class:`EngineError`.
     """
 
     def __init__(self, message: str, *, engine: str | None = None, rank: int | None = None,

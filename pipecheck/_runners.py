@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from pipecheck import _optional_runners as optional
 from pipecheck._errors import (
+    AdapterError,
     EngineError,
     InputError,
     RankError,
@@ -37,6 +38,7 @@ from pipecheck._model_factory import ModelFactory
 from pipecheck._pipe import TiedGroup
 from pipecheck._reference import DetachExecutor
 from pipecheck._result import StepResult
+from pipecheck._torch_versions import tested_note
 from pipecheck._world import World, pickle_problem
 
 BUILTIN = ("reference", "distributed", "torch")
@@ -93,7 +95,7 @@ def run_on_world(world: World, fn: Callable[..., Any], spec: Any, job: Job) -> l
 
 
 def run_engine(world: World, fn: Callable[..., Any], spec: Any, job: Job,
-               engine_failed: Callable[[WorldError], EngineError]) -> list[Any]:
+               engine_failed: Callable[[WorldError], EngineError | AdapterError]) -> list[Any]:
     """:func:`run_on_world` for an engine's ranks: a job that cannot travel to them stays the
     TaskPickleError naming its part (not the engine's failure); any other World failure becomes
     ``engine_failed(err)``."""
@@ -155,9 +157,26 @@ def merge_stage_grads(stage_grads: Mapping[int, Mapping[str, torch.Tensor]], tie
     return grads, {fqn: by_stage for fqn, by_stage in replicas.items() if by_stage}
 
 
-def failure_error(error: RankError, engine: str, when: str, setting: str) -> EngineError:
+def adapter_error(error: RankError, engine: str) -> AdapterError:
+    """A rank's failure in pipecheck's own code calling an API of torch or ``engine`` that is not there."""
+    where = f", during {error.action}" if error.action else ""
+    return AdapterError(
+        f"pipecheck's adapter for {engine} failed: {error.summary}\n"
+        f"This is pipecheck's error, not a finding about {engine}: on rank {error.rank}, stage {error.stage}"
+        f"{where}, pipecheck called an API that is missing or changed in this release. "
+        f"{tested_note(torch.__version__)}. Fix: install a tested torch (see docs/torch-versions.md), "
+        f"or report this with the traceback below.\n"
+        f"Traceback on rank {error.rank}:\n{error.traceback.rstrip()}",
+        engine=engine, rank=error.rank, stage=error.stage, cause=error,
+    )
+
+
+def failure_error(error: RankError, engine: str, when: str, setting: str) -> EngineError | AdapterError:
     """A rank's failure inside ``engine`` as an EngineError: its message first (what a table cell
-    shows), then the rank, stage and action, the settings and the rank's traceback."""
+    shows), then the rank, stage and action, the settings and the rank's traceback. A failure of
+    pipecheck's own adapter code is an :class:`AdapterError` instead."""
+    if error.in_pipecheck:
+        return adapter_error(error, engine)
     cause = error.causes[-1] if error.causes else (error.exc_type, error.message)
     message = first_line(cause[1])
     first = f"{cause[0].rsplit('.', 1)[-1]}: {message}" if message else cause[0]
@@ -169,7 +188,7 @@ def failure_error(error: RankError, engine: str, when: str, setting: str) -> Eng
     )
 
 
-def engine_error(err: WorldError, engine: str, when: str, setting: str) -> EngineError:
+def engine_error(err: WorldError, engine: str, when: str, setting: str) -> EngineError | AdapterError:
     """A World failure while ``engine`` ran as an EngineError naming the engine, rank and stage."""
     if isinstance(err, RankFailedError):
         return failure_error(err.error, engine, when, setting)

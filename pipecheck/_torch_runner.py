@@ -53,6 +53,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from pipecheck._errors import (
+    AdapterError,
     EngineError,
     InputError,
     RankError,
@@ -65,7 +66,7 @@ from pipecheck._job import Job
 from pipecheck._markers import SplitPoint
 from pipecheck._pipe import COMPUTE_OPS, Pipe
 from pipecheck._result import StepResult
-from pipecheck._runners import merge_stage_grads, ranks_needed, run_engine, world_for
+from pipecheck._runners import adapter_error, merge_stage_grads, ranks_needed, run_engine, world_for
 from pipecheck._torch_rank import TorchRankResult, TorchStepError, TorchStepSpec, torch_rank_step
 from pipecheck._torch_schedules import TORCH_SCHEDULES, torch_layout
 from pipecheck._traced import normalize_split_spec
@@ -195,7 +196,7 @@ def _one_line(exc_type: str, message: str) -> str:
     return first
 
 
-def engine_error(err: WorldError, job: Job) -> EngineError:
+def engine_error(err: WorldError, job: Job) -> EngineError | AdapterError:
     """A World failure of a torch step as an EngineError carrying torch's message, rank and stage."""
     if isinstance(err, RankFailedError):
         return _engine_error(err.error, "in schedule.step", job)
@@ -207,8 +208,11 @@ def engine_error(err: WorldError, job: Job) -> EngineError:
                        rank=getattr(err, "rank", None), stage=getattr(err, "stage", None))
 
 
-def _engine_error(error: RankError, when: str, job: Job) -> EngineError:
-    """First line: the message alone (what a table cell shows); then where, the settings, the traceback."""
+def _engine_error(error: RankError, when: str, job: Job) -> EngineError | AdapterError:
+    """First line: the message alone (what a table cell shows); then where, the settings, the traceback.
+    A failure of pipecheck's own code calling torch is an AdapterError instead."""
+    if error.in_pipecheck:
+        return adapter_error(error, ENGINE)
     message, context = torch_message(error)
     inside = f" (inside torch: {context})" if context else ""
     return EngineError(

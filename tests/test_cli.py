@@ -15,6 +15,7 @@ import pytest
 
 from pipecheck._cli import RUNNERS, classify
 from pipecheck._errors import (
+    AdapterError,
     EngineError,
     EquivalenceError,
     InputError,
@@ -266,6 +267,7 @@ def test_classify_maps_every_pipecheck_error_to_its_exit_status() -> None:
     for error in (InputError("x"), SplitError("x"), ScheduleError("x"), LossError("x"), TaskPickleError("x")):
         assert classify(error) == (2, "input error")
     assert classify(EngineError("x")) == (3, "engine error")
+    assert classify(AdapterError("x")) == (4, "pipecheck adapter error")
     assert classify(RankFailedError("x", rank_error)) == (3, "runtime error")
     assert classify(WorldStartError("x")) == (3, "runtime error")
     assert classify(KeyError("x")) == (4, "internal error")

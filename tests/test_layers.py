@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "pipecheck"
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("_errors", "_result", "_torch_warnings", "_optional_runners"),
+    "base": ("_errors", "_result", "_torch_warnings", "_optional_runners", "_torch_versions"),
     "split": ("_markers", "_inputs", "_model_factory", "_microbatch", "losses", "policies", "_traced",
               "_autograd_functions", "_trace_fx", "_trace_export", "_trace", "_pipe"),
     "world": ("_worker", "_world_spawn", "_world"),

@@ -20,6 +20,8 @@ import torch
 from pipecheck.fixtures import get
 
 import pipecheck as pc
+from pipecheck import _torch_runner
+from pipecheck._cli import main
 from pipecheck._errors import RankError
 from pipecheck._torch_rank import _alias_table, stage_grads
 from pipecheck._torch_runner import policy_module_cuts, torch_message
@@ -273,3 +275,50 @@ def test_a_cause_that_says_nothing_gives_way_to_the_one_that_does() -> None:
     assert message == ("RuntimeError: Expected positional argument for parameter unsqueeze_default, but one was "
                        "not passed in!")
     assert context == "[Stage 0] failed to run forward"
+
+
+# --- pipecheck's own adapter broken by a torch release ----------------------------------------------
+
+
+def _with_a_schedule_class_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks look up a schedule class this torch does not have, as pipecheck's adapter would
+    after torch renamed one: an AttributeError raised in pipecheck's own rank code."""
+    real = _torch_runner.plan_torch_step
+    monkeypatch.setattr(_torch_runner, "plan_torch_step", lambda job, pipe: dataclasses.replace(
+        real(job, pipe), torch_class="ScheduleGoneInThisTorch"))
+
+
+def test_an_api_missing_on_the_ranks_is_pipecheck_s_adapter_error_not_torch_s(pipecheck_world, monkeypatch):
+    _with_a_schedule_class_torch_lacks(monkeypatch)
+    with pytest.raises(pc.AdapterError) as caught:
+        check(pipecheck_world(4), "mlp")
+    message = str(caught.value)
+    assert message.startswith("pipecheck's adapter for torch.distributed.pipelining failed: AttributeError: ")
+    assert "ScheduleGoneInThisTorch" in message.splitlines()[0]
+    assert "This is pipecheck's error, not a finding about torch.distributed.pipelining" in message
+    assert f"this is torch {torch.__version__}" in message
+    assert not isinstance(caught.value, pc.EngineError)
+    assert (caught.value.engine, caught.value.cause.in_pipecheck) == ("torch.distributed.pipelining", True)
+
+
+def test_the_zoo_exits_4_for_an_adapter_error_even_in_the_torch_column(pipecheck_world, monkeypatch, capsys):
+    pipecheck_world(4)  # the shared World the columns run on
+    _with_a_schedule_class_torch_lacks(monkeypatch)
+    assert main(["zoo", "--models", "mlp", "--runners", "reference,torch"]) == 4
+    assert "ERROR AdapterError: pipecheck's adapter for torch.distributed.pipelining" in capsys.readouterr().out
+
+
+def test_torch_s_own_failure_is_not_pipecheck_s() -> None:
+    def torch_side() -> None:  # stands in for torch's or the model's code: not a pipecheck module
+        raise AttributeError("'Tensor' object has no attribute 'foo'")
+
+    def in_pipecheck(call: Any, error: type[BaseException]) -> bool:
+        with pytest.raises(error) as caught:
+            call()
+        return RankError.from_exception(caught.value, rank=0, stage=0, action=None).in_pipecheck
+
+    from pipecheck._runners import merge_stage_grads
+
+    assert not in_pipecheck(torch_side, AttributeError)
+    assert not in_pipecheck(lambda: pc.split(None, ()), pc.PipecheckError)  # pipecheck's deliberate errors
+    assert in_pipecheck(lambda: merge_stage_grads(None, []), TypeError)  # raised in pipecheck's own line

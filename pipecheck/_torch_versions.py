@@ -1,0 +1,25 @@
+"""The torch releases pipecheck is proven on, as data (no torch import: the noxfile reads it too).
+
+    TESTED_TORCH            # ("2.8", ..., "2.15"): one nox session each, ``nox -s "matrix(torch='2.10')"``
+    tested_note("2.16.0")   # "pipecheck is tested on torch 2.8 to 2.15; this is torch 2.16.0"
+
+The floor is ``torch>=`` in pyproject.toml; docs/torch-versions.md is the
+matrix measured on each of them (``nox -s matrix`` then ``python
+docs/torch_matrix.py write``).
+"""
+
+from __future__ import annotations
+
+TESTED_TORCH = ("2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
+
+
+def minor(version: str) -> str:
+    """``"2.14"`` of ``"2.14.1+cpu"``."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def tested_note(version: str) -> str:
+    """One sentence: the tested range, and where ``version`` stands in it."""
+    where = "one of them" if minor(version) in TESTED_TORCH else "not one of them"
+    return (f"pipecheck is tested on torch {TESTED_TORCH[0]} to {TESTED_TORCH[-1]} "
+            f"(docs/torch-versions.md); this is torch {version}, {where}")
