@@ -37,3 +37,28 @@ def test_columns_are_written_into_their_block_and_refused_layouts_show_as_na(pip
     assert "12 models" not in block and "2 models x 2 columns" in block
     assert readme.read_text().startswith("intro\n") and readme.read_text().endswith("outro\n")
     assert "distributed zbv" in capsys.readouterr().out
+
+
+def test_json_holds_every_cell_with_its_outcome_and_the_exit_status(tmp_path: Path) -> None:
+    import json
+
+    import torch
+
+    out = tmp_path / "zoo.json"
+    assert main(["zoo", "--models", "mlp,skip_one", "--columns", "reference:1f1b,reference:zbv",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert (data["torch"], data["status"]) == (torch.__version__, 0)
+    cells = {(c["model"], c["column"], c["schedule"]): c["outcome"] for c in data["cells"]}
+    assert cells == {("mlp", "reference", "1f1b"): "pass", ("mlp", "reference", "zbv"): "pass",
+                     ("skip_one", "reference", "1f1b"): "pass", ("skip_one", "reference", "zbv"): "pass"}
+    assert all(c["text"].startswith("pass (max abs ") for c in data["cells"])
+    assert data["summary"].startswith("2 models x 2 columns")
+
+
+def test_an_unwritable_json_path_is_refused_before_the_zoo_runs(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["zoo", "--models", "mlp", "--runners", "reference", "--json",
+                 str(tmp_path / "missing" / "zoo.json")]) == 2
+    err = capsys.readouterr()
+    assert "cannot write --json" in err.err and "| mlp" not in err.out
