@@ -1,4 +1,4 @@
-"""The HuggingFace zoo (tiny GPT-2, Llama, BERT, T5; nothing downloaded) checked with no tracer argument:
+"""The HuggingFace zoo (tiny GPT-2, Llama, Mixtral, BERT, T5; nothing downloaded) checked with no tracer argument:
 ``tracer="auto"`` falls back to torch.export, which traces them, and pipecheck's runners match eager.
 torch.distributed.pipelining's own results on them are checked too, as the README reports them."""
 
@@ -42,9 +42,14 @@ def test_hf_models_match_on_the_reference_and_the_runtime(pipecheck_world: Any, 
         if runner == "distributed" and name in TIED:  # each stage's copy of the tie holds the full gradient
             replicas = {row.name for row in report.rows if row.name.startswith(f"grad {TIED[name]} (replica")}
             assert replicas == {f"grad {TIED[name]} (replica in stage {s})" for s in (0, 1)}, replicas
+        if name in MOE:  # every router's and expert bank's gradient is compared, each on the stage that holds it
+            moe = {row.name: row.stages for row in report.rows if ".mlp." in row.name}
+            assert moe == MOE[name], (runner, moe)
 
 
 TIED = {"hf_gpt2": "transformer.wte.weight", "hf_bert": "bert.embeddings.word_embeddings.weight"}
+MOE = {"hf_mixtral": {f"grad model.layers.{layer}.mlp.{param}": (layer // 2,) for layer in range(4)
+                      for param in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")}}
 
 
 @pytest.mark.parametrize("name,tensor", [("hf_gpt2", "grad transformer.wte.weight"),
@@ -63,11 +68,12 @@ def test_torch_drops_t5s_encoder_output_and_is_refused(pipecheck_world: Any) -> 
         "torch returns only last-stage outputs; output['encoder_last_hidden_state'] is stage 0's")
 
 
-def test_torch_calls_llamas_rotary_embedding_without_its_inputs(pipecheck_world: Any) -> None:
+@pytest.mark.parametrize("name", ["hf_llama", "hf_mixtral"])
+def test_torch_calls_the_rotary_embedding_without_its_inputs(pipecheck_world: Any, name: str) -> None:
     """torch's pipeline() outlines the no_grad rotary embedding twice, the first call without arguments:
     fx's interpreter runs out of them (a bare StopIteration, reported by the message above it)."""
     with pytest.raises(pc.EngineError) as caught:
-        check("hf_llama", "torch", pipecheck_world(2))
+        check(name, "torch", pipecheck_world(2))
     first = str(caught.value).splitlines()[0]
     assert first.startswith("RuntimeError: Expected positional argument for parameter"), first
     assert caught.value.rank == 0 and caught.value.stage == 0
