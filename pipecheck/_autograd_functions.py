@@ -108,11 +108,7 @@ class functions_in_export:  # noqa: N801 - a context manager read as a phrase
         self.kept: list[type] = []
 
     def __enter__(self) -> functions_in_export:
-        try:
-            from torch._export.wrappers import allow_in_pre_dispatch_graph
-            keep: Callable[..., Any] | None = allow_in_pre_dispatch_graph(_original_apply)
-        except Exception:  # a torch without it: nothing can be kept; refuse_lost says so
-            keep = None
+        keep = _export_keeper()
 
         def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
             if cls.__module__ == "torch._library.autograd":  # a torch.library.custom_op's own autograd:
@@ -138,14 +134,36 @@ class functions_in_export:  # noqa: N801 - a context manager read as a phrase
         lost = [cls for cls in self.seen if cls not in kept]
         if lost:
             names = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in lost)
+            why, fix = (
+                ("pipecheck keeps a Function under export only when it is a top-level class of an importable "
+                 "module", "define the Function at module level, ")
+                if export_keeps_functions() else
+                (f"torch {torch.__version__} has no way to keep one as a call (torch._export.wrappers."
+                 "allow_in_pre_dispatch_graph and torch.export.custom_ops' by-name call, which pipecheck "
+                 "uses, came with torch 2.9)", "use a supported torch (>= 2.10), "))
             raise TraceError(
                 f"torch.export cannot keep the backward of the custom autograd.Function {names} in "
                 f"{type(model).__name__}: it records the Function's forward ops, so a pipeline built from it "
-                "would differentiate those instead of the Function's backward. pipecheck keeps a Function "
-                "under export only when it is a top-level class of an importable module. Fix: use "
-                "tracer='fx' (it keeps Fn.apply as one call), define the Function at module level, or make "
-                "it a torch.library.custom_op with register_autograd."
+                f"would differentiate those instead of the Function's backward; {why}. Fix: use "
+                f"tracer='fx' (it keeps Fn.apply as one call), {fix}or make it a torch.library.custom_op "
+                "with register_autograd."
             )
+
+
+def _export_keeper() -> Callable[..., Any] | None:
+    """torch's wrapper that records ``Fn.apply`` as one call under export, or None where this torch has
+    no such wrapper or no by-name call to turn it back into a Function (then refuse_lost refuses)."""
+    try:
+        from torch._export.wrappers import allow_in_pre_dispatch_graph
+        from torch.export.custom_ops import _call_custom_autograd_function_in_pre_dispatch  # noqa: F401
+    except ImportError:
+        return None
+    return allow_in_pre_dispatch_graph(_original_apply)
+
+
+def export_keeps_functions() -> bool:
+    """Whether this torch lets export keep a custom autograd.Function as one call (a feature probe)."""
+    return _export_keeper() is not None
 
 
 def functions_as_calls(gm: fx.GraphModule) -> fx.GraphModule:

@@ -1,5 +1,7 @@
 """Custom torch.autograd.Functions keep their own backward (gradient reversal, straight-through round)."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -93,6 +95,18 @@ def test_export_refuses_a_function_it_cannot_keep():
         pc.split(FnModel(LocalReverse), (X,), split_spec=CUTS["after"], tracer="export")
     pc.assert_equivalent(FnModel(LocalReverse), (X,), split_spec=CUTS["after"], runner="reference",
                          n_microbatches=2)  # fx keeps it
+
+
+def test_a_torch_without_the_export_wrapper_refuses_with_its_version(monkeypatch):
+    """The keeper is a feature probe: where torch lacks it (before 2.9), export refuses every Function
+    and says why, never a misleading fix; fx still keeps it."""
+    from pipecheck import _autograd_functions
+
+    monkeypatch.setattr(_autograd_functions, "_export_keeper", lambda: None)
+    with pytest.raises(pc.TraceError, match=re.escape(f"torch {torch.__version__} has no way") + r".*"
+                                            r"Fix: use tracer='fx'.*use a supported torch \(>= 2.10\)"):
+        pc.split(FnModel(GradReverse), (X,), split_spec=CUTS["after"], tracer="export")
+    assert pc.split(FnModel(GradReverse), (X,), split_spec=CUTS["after"]).tracer == "fx"
 
 
 @torch.library.custom_op("pipecheck_test::reverse", mutates_args=())
