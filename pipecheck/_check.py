@@ -29,9 +29,10 @@ from pipecheck._eager import (
     check_finite,
     eager_step,
     in_float64,
+    refuse_random,
     result_dtype,
 )
-from pipecheck._errors import EngineError, EquivalenceError, InputError, PipecheckError
+from pipecheck._errors import EngineError, EquivalenceError, InputError, PipecheckError, TraceError
 from pipecheck._inputs import cast_inputs, prepare_inputs
 from pipecheck._job import Job, Runner
 from pipecheck._model_factory import ModelFactory, seeded
@@ -114,7 +115,12 @@ def assert_equivalent(
         built = factory()
         inputs = prepare_inputs(built, args, kwargs, target, dtype=dtype, device=device)
     with clock("split_s"):  # the stages share the built model's parameters: no second copy
-        pipe = split_module(built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
+        try:
+            pipe = split_module(built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy,
+                                tracer=tracer)
+        except TraceError:  # a random model (its own Generator: torch < 2.13 cannot trace one) is refused
+            refuse_random(built, inputs, n_microbatches, seed)  # as random, the reason that matters
+            raise
     initial_buffers = {name: b.detach().clone() for name, b in built.named_buffers()}
     with clock("eager_s"), seeded(seed), buffers_kept(built):  # the user's RNG: untouched
         eager, target_used = eager_step(built, inputs, loss_fn, n_microbatches, check_grads)

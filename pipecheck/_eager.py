@@ -189,6 +189,17 @@ def check_deterministic(model: nn.Module, inputs: Inputs, n_microbatches: int, s
         )
 
 
+def refuse_random(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> None:
+    """:func:`check_deterministic`'s InputError if ``model`` is random; nothing if it is not, or if its
+    eager forward fails (the caller's own error then stands)."""
+    try:
+        check_deterministic(model, inputs, n_microbatches, seed)
+    except InputError:
+        raise
+    except Exception:
+        return
+
+
 def _differ(a: torch.Tensor, b: Any) -> bool:
     if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
         return True

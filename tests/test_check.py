@@ -422,6 +422,30 @@ def test_randomness_outside_the_global_rng_is_refused_too(model: type[nn.Module]
         pc.assert_equivalent(model(), (torch.randn(8, 4),), runner=outputs_scaled_by_1_3, n_microbatches=2)
 
 
+class Untraceable(nn.Module):
+    """Python logic on a tensor's value: neither fx nor export follows it."""
+
+    def __init__(self, random: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.random = nn.Linear(4, 4), nn.Linear(4, 4), random
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if float(h.detach().sum()) > -1e9:
+            h = h * (torch.rand_like(h) > 0.5) if self.random else h * 0.5
+        pc.pipe_split()
+        return self.b(h)
+
+
+def test_a_random_model_no_tracer_can_trace_is_refused_as_random() -> None:
+    """The reason that matters first: no split of a random model could match it (torch < 2.13 cannot
+    trace a model's own Generator, so OwnGeneratorMask takes this path there)."""
+    with pytest.raises(pc.InputError, match=r"not deterministic.*model\.eval\(\)"):
+        pc.assert_equivalent(Untraceable(random=True), (torch.randn(8, 4),), runner="reference", n_microbatches=2)
+    with pytest.raises(pc.TraceError, match="neither tracer could trace Untraceable"):
+        pc.assert_equivalent(Untraceable(random=False), (torch.randn(8, 4),), runner="reference", n_microbatches=2)
+
+
 def test_the_probe_tolerates_last_bit_differences_but_not_random_ones() -> None:
     """Atomic adds on a GPU reorder sums from call to call; dropout changes values wholesale."""
     from pipecheck._eager import _differ
