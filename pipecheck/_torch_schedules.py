@@ -17,7 +17,7 @@ any rank starts, and all problems are reported at once with the fix:
 ========================  ==========  ===============  =========================================
 schedule                  placement   stages per rank  micro-batches (m) on p ranks
 ========================  ==========  ===============  =========================================
-gpipe, looped_bfs         loop        any              any
+gpipe, looped_bfs         loop        any              any (gpipe on torch 2.10: m >= stages)
 1f1b                      loop        1                m >= number of stages
 interleaved               loop        any              m a multiple of max(1, m // p)
 zb (ZB-H1)                loop        1                m a multiple of max(1, m // p)
@@ -31,12 +31,14 @@ V placement: stage ``r`` and stage ``2p - 1 - r`` on rank ``r``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from pipecheck._errors import ScheduleError
 from pipecheck._schedule_data import round_robin, v_shape
 from pipecheck._schedule_sim import problem_list
+from pipecheck._torch_versions import at_least
 
 ENGINE = "torch.distributed.pipelining"
 
@@ -108,6 +110,10 @@ def torch_layout(name: str, n_stages: int, n_microbatches: int, stages_per_rank:
             + " (case-insensitive), or torch's class names such as 'ScheduleZBVZeroBubble' / 'ZBVZeroBubble'"
         )
     schedule = TORCH_SCHEDULES[key]
+    if stages_per_rank == 1 and schedule.single is not None and not at_least(torch.__version__, "2.11"):
+        # torch 2.10's PipelineScheduleSingle refuses m < stages for every schedule, ScheduleGPipe too;
+        # from 2.11 only Schedule1F1B does (measured on 2.10 to 2.15, test_layout_rules_accept_exactly_...)
+        schedule = dataclasses.replace(schedule, rule="stages")
     problems = _layout_problems(schedule, n_stages, n_microbatches, stages_per_rank)
     if problems:
         raise ScheduleError(problem_list(f"runner='torch' cannot run schedule {name!r} ({key}) on this split",
@@ -130,7 +136,7 @@ def _layout_problems(schedule: TorchSchedule, n_stages: int, n_mbs: int, per_ran
                                     ("stages_per_rank", per_rank)) if type(value) is not int or value < 1]
     if problems:
         return problems
-    what = f"torch's {schedule.multi or schedule.single}"
+    what = f"torch's {schedule.single if per_rank == 1 and schedule.single else schedule.multi or schedule.single}"
     if schedule.stages_per_rank is not None and per_rank != schedule.stages_per_rank:
         if schedule.placement == "v":
             problems.append(f"{what} places exactly 2 stages on each rank, in a V (stage r and "

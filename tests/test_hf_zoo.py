@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from _torch_findings import HF_TIED_CRASH, HF_TIED_RUNS, ROTARY, ROTARY_STAGE  # noqa: E402
 from pipecheck.fixtures import HF_ZOO, get  # noqa: E402
 
 import pipecheck as pc  # noqa: E402
@@ -55,6 +56,11 @@ MOE = {"hf_mixtral": {f"grad model.layers.{layer}.mlp.{param}": (layer // 2,) fo
 @pytest.mark.parametrize("name,tensor", [("hf_gpt2", "grad transformer.wte.weight"),
                                          ("hf_bert", "grad bert.embeddings.word_embeddings.weight")])
 def test_torch_leaves_the_tied_embeddings_unsynchronised(pipecheck_world: Any, name: str, tensor: str) -> None:
+    if not HF_TIED_RUNS:  # torch before 2.13 fails stage 1 before any step (_torch_findings)
+        with pytest.raises(pc.EngineError) as refused:
+            check(name, "torch", pipecheck_world(2))
+        assert str(refused.value).splitlines()[0] == HF_TIED_CRASH
+        return
     with pytest.raises(pc.EquivalenceError) as caught:
         check(name, "torch", pipecheck_world(2))
     assert tensor in [row.name for row in caught.value.report.failures]
@@ -75,5 +81,5 @@ def test_torch_calls_the_rotary_embedding_without_its_inputs(pipecheck_world: An
     with pytest.raises(pc.EngineError) as caught:
         check(name, "torch", pipecheck_world(2))
     first = str(caught.value).splitlines()[0]
-    assert first.startswith("RuntimeError: Expected positional argument for parameter"), first
-    assert caught.value.rank == 0 and caught.value.stage == 0
+    assert first.startswith(ROTARY), first  # worded by release (_torch_findings)
+    assert caught.value.rank == 0 and caught.value.stage == ROTARY_STAGE

@@ -124,7 +124,9 @@ def test_a_script_using_a_world_through_faults_leaves_no_warning_and_no_process(
     ''')
     result, left = run_script(tmp_path, body)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-2:] == ["failed: RankFailedError", "then: [0, 1]"]
+    # gloo itself prints "[Gloo] Rank 0 is connected to ..." on some torch releases (2.8 to 2.10)
+    printed = [line for line in result.stdout.splitlines() if not line.startswith("[Gloo] ")]
+    assert printed[-2:] == ["failed: RankFailedError", "then: [0, 1]"]
     assert "runner 'distributed' matches eager" in result.stdout
     assert "runner 'torch' matches eager" in result.stdout
     assert result.stderr == ""  # no torch warning, no resource_tracker "leaked semaphore"

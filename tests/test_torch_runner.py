@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from _torch_findings import SKIP
 from pipecheck.fixtures import get
 
 import pipecheck as pc
@@ -216,7 +217,6 @@ def test_outputs_of_a_middle_stage_are_an_engine_error_and_the_world_survives(pi
 # --- torch cannot run it: EngineError with torch's message (these stop the World) ---------------------
 
 
-SKIP = "Backward of skip connections not supported yet"
 
 
 @pytest.mark.parametrize("name,message,inside,rank", [
