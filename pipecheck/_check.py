@@ -28,6 +28,7 @@ from pipecheck._eager import (
     check_deterministic,
     check_finite,
     eager_step,
+    float64_failure_explained,
     in_float64,
     refuse_random,
     result_dtype,
@@ -129,9 +130,10 @@ def assert_equivalent(
         check_deterministic(built, inputs, n_microbatches, seed)
     with clock("fp64_s"), buffers_kept(built), in_float64(built) as model64:  # built as it was, after
         args64, kwargs64, _ = inputs.unspoiled().to64()
-        ref64, _ = eager_step(model64, inputs, loss_fn or projection_loss, n_microbatches, check_grads,
-                              args=args64, kwargs=kwargs64,
-                              target=cast_inputs(target_used, torch.float64, None, copy=True))
+        with float64_failure_explained(model64):
+            ref64, _ = eager_step(model64, inputs, loss_fn or projection_loss, n_microbatches, check_grads,
+                                  args=args64, kwargs=kwargs64,
+                                  target=cast_inputs(target_used, torch.float64, None, copy=True))
     del built, args64, kwargs64
     check_finite(eager)
 

@@ -164,6 +164,23 @@ def in_float64(model: nn.Module) -> Iterator[nn.Module]:
             module._buffers[name] = buffer
 
 
+@contextmanager
+def float64_failure_explained(model: nn.Module) -> Iterator[None]:
+    """Around the float64 ground-truth step, after the model's own step ran: a failure there is the
+    float64 copy's, most often an op with no float64 kernel on this device, not the user's model."""
+    try:
+        yield
+    except InputError as err:
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        raise InputError(
+            f"the float64 copy of {type(model).__name__} (pipecheck's ground truth) failed where the model "
+            f"itself ran in its own dtype: {first_line(err).split(' Fix: ')[0]} An op of the model has no "
+            f"float64 kernel on {device} (torch._grouped_mm on CPU, which transformers' mixture-of-experts layers call by "
+            "default, is one). Fix: give that layer an implementation with float64 kernels (transformers: "
+            "config experts_implementation='batched_mm'), or check on a device that has them."
+        ) from err
+
+
 def check_deterministic(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> None:
     """Refuse a model whose outputs are random: no pipeline can match it, and its spread would widen
     the auto tolerance until a wrong answer passes. Leaves the model's buffers as found.

@@ -645,3 +645,28 @@ def test_a_forward_that_writes_into_its_input_never_touches_the_users_tensor() -
     before = x.clone()
     assert pc.assert_equivalent(WritesItsInput, (x,), runner="reference").ok
     assert torch.equal(x, before)
+
+
+class NoFloat64Kernel(nn.Module):
+    """Runs in float32; one op refuses float64, as torch._grouped_mm does on CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.dtype == torch.float64:
+            raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+        pc.pipe_split()
+        return self.b(h)
+
+
+def test_an_op_without_a_float64_kernel_is_named_as_the_ground_truth_s_failure_not_the_model_s() -> None:
+    with pytest.raises(pc.InputError) as caught:
+        pc.assert_equivalent(NoFloat64Kernel(), (torch.randn(8, 4),), runner="reference", n_microbatches=2)
+    message = str(caught.value)
+    assert message.startswith("the float64 copy of NoFloat64Kernel (pipecheck's ground truth) failed where the "
+                              "model itself ran in its own dtype: the eager model failed on one micro-batch")
+    assert "got Double" in message and "no float64 kernel on cpu" in message
+    assert "experts_implementation='batched_mm'" in message
