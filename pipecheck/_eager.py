@@ -175,9 +175,9 @@ def float64_failure_explained(model: nn.Module) -> Iterator[None]:
         raise InputError(
             f"the float64 copy of {type(model).__name__} (pipecheck's ground truth) failed where the model "
             f"itself ran in its own dtype: {first_line(err).split(' Fix: ')[0]} An op of the model has no "
-            f"float64 kernel on {device} (torch._grouped_mm on CPU, which transformers' mixture-of-experts layers call by "
-            "default, is one). Fix: give that layer an implementation with float64 kernels (transformers: "
-            "config experts_implementation='batched_mm'), or check on a device that has them."
+            f"float64 kernel on {device} (torch._grouped_mm on CPU, which transformers' mixture-of-experts "
+            "layers call by default, is one). Fix: give that layer an implementation with float64 kernels "
+            "(transformers: config experts_implementation='batched_mm'), or check on a device that has them."
         ) from err
 
 
