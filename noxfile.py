@@ -1,51 +1,82 @@
-"""nox sessions: ``nox -s tests`` (CPU, what CI runs), ``lint``, ``gpu``, ``nightly``, ``bench``."""
+"""nox sessions: ``nox -s tests`` (CPU, what CI runs), ``lint``, ``gpu``, ``nightly``, ``matrix``, ``bench``.
+
+``tests`` installs as a new user does, so it gets the newest torch the package index serves;
+``tests_floor`` the oldest torch pipecheck supports; ``matrix`` one session per supported torch
+minor (``nox -s "matrix(torch='2.10')"``), which writes docs/torch-versions.md.
+"""
+
+import os
+import sys
+from pathlib import Path
 
 import nox
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipecheck._torch_versions import TESTED_TORCH  # noqa: E402  (torch-free: no torch in nox's own venv)
 
 nox.options.sessions = ["tests", "lint"]
 nox.options.default_venv_backend = "venv"
 
-TORCH = "torch==2.13.0"
+# Each session asks for its torch itself: a machine-wide pip constraint (a pinned or capped torch, as
+# some CI images carry) must not swap in another one.
+NO_CONSTRAINTS = {"PIP_CONSTRAINT": os.devnull}
+NEWEST = {**NO_CONSTRAINTS, "DS_BUILD_OPS": "0"}  # DeepSpeed builds no C++ op at install time
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """What CI runs: the whole suite, DeepSpeed and torchtitan installed (torch kept pinned)."""
-    session.install(TORCH)
-    session.install("-c", ".ci/constraints.txt", "-e", ".[test,deepspeed,torchtitan]", env={"DS_BUILD_OPS": "0"})
+    """What CI runs: the whole suite on the torch a fresh install resolves to (the newest), with the
+    DeepSpeed and torchtitan extras, so their runners are tested too."""
+    session.install("-e", ".[test,deepspeed,torchtitan]", env=NEWEST)
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    session.run("pytest", "-n", "auto", *session.posargs)
+
+
+@nox.session
+def tests_floor(session: nox.Session) -> None:
+    """The whole suite on the oldest supported torch (pyproject's floor), without the engine extras."""
+    session.install(f"torch=={TESTED_TORCH[0]}.*", env=NO_CONSTRAINTS)
+    session.install("-e", ".[test]", env=NO_CONSTRAINTS)
     session.run("pytest", "-n", "auto", *session.posargs)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install(TORCH)
-    session.install("-e", ".[lint]")
-    session.run("ruff", "check", "pipecheck", "tests", "fixtures", "benchmarks")
+    session.install("-e", ".[lint]", env=NO_CONSTRAINTS)
+    session.run("ruff", "check", "pipecheck", "tests", "fixtures", "benchmarks", "docs", "noxfile.py")
     session.run("mypy", "pipecheck")
 
 
 @nox.session
 def gpu(session: nox.Session) -> None:
     """The GPU tests: NCCL and shared-GPU worlds. Needs CUDA; skips cleanly without it."""
-    session.install(TORCH)
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test]", env=NO_CONSTRAINTS)
     session.run("pytest", "-m", "gpu", "--pipecheck-device", "cuda", "-rs", *session.posargs)
 
 
 @nox.session
 def nightly(session: nox.Session) -> None:
     """Many more hypothesis examples (HYPOTHESIS_PROFILE=nightly), then the tests marked slow."""
-    session.install(TORCH)
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test]", env=NO_CONSTRAINTS)
     session.run("pytest", "-n", "auto", "tests/test_properties.py", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "nightly"})
     session.run("pytest", "-n", "auto", "-m", "slow")  # e.g. two torchrun agents as two nodes
 
 
 @nox.session
+@nox.parametrize("torch", TESTED_TORCH)
+def matrix(session: nox.Session, torch: str) -> None:
+    """One supported torch: the default suite and the zoo (every torch schedule), recorded as JSON; then
+    docs/torch-versions.md is rewritten from every version measured so far."""
+    session.install(f"torch=={torch}.*", env=NO_CONSTRAINTS)
+    session.install("-e", ".[test]", env=NO_CONSTRAINTS)
+    session.run("python", "docs/torch_matrix.py", "run", "--out", f".nox/torch-matrix/{torch}.json")
+    session.run("python", "docs/torch_matrix.py", "write")
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks; they rewrite their sections of benchmarks/RESULTS.md."""
-    session.install(TORCH)
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test]", env=NO_CONSTRAINTS)
     for script in ("bench_split.py", "bench_runtime.py", "bench_zero_bubble.py"):
         session.run("python", f"benchmarks/{script}", *session.posargs)
