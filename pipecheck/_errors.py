@@ -35,6 +35,7 @@ class RankError:
     traceback: str
     causes: tuple[tuple[str, str], ...] = ()
     in_pipecheck: bool = False  # raised by pipecheck's own adapter code calling an engine's or torch's API
+    raised_at: str = ""  # the innermost frame: "torch/fx/interpreter.py:1423 in run_from"
 
     @classmethod
     def from_exception(cls, error: BaseException, rank: int, stage: int | None, action: str | None,
@@ -46,7 +47,7 @@ class RankError:
             cause = cause.__cause__
         text = traceback if traceback is not None else "".join(_traceback.format_exception(error))
         return cls(_type_name(error), str(error), rank, stage, action, text, tuple(causes),
-                   raised_in_pipecheck(error))
+                   raised_in_pipecheck(error), _raised_at(error))
 
     @property
     def summary(self) -> str:
@@ -55,18 +56,39 @@ class RankError:
         return f"{self.exc_type}: {first}" if first else self.exc_type
 
 
+def _innermost(error: BaseException) -> tuple[Path, int, str] | None:
+    """``(file, line, function)`` of the frame that raised ``error``."""
+    tb = error.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve(), tb.tb_lineno, tb.tb_frame.f_code.co_name
+
+
+def _raised_at(error: BaseException) -> str:
+    """The innermost frame as a person reads it: the path from the package on, line and function."""
+    frame = _innermost(error)
+    if frame is None:
+        return ""
+    path, line, function = frame
+    parts = path.parts
+    package = next((i for i in range(len(parts) - 1, -1, -1) if parts[i] in ("site-packages", "dist-packages")),
+                   None)
+    shown = "/".join(parts[package + 1:]) if package is not None else path.name
+    return f"{shown}:{line} in {function}"
+
+
 def raised_in_pipecheck(error: BaseException) -> bool:
     """Whether ``error`` says an API pipecheck calls is missing or changed: an AttributeError,
     TypeError or ImportError whose innermost frame is pipecheck's own code (a keyword torch no
     longer takes fails at the caller's line; a model's or torch's own error is raised in theirs)."""
     if not isinstance(error, _API_ERRORS) or isinstance(error, PipecheckError):
         return False
-    tb = error.__traceback__
-    if tb is None:
+    frame = _innermost(error)
+    if frame is None:
         return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    path = Path(tb.tb_frame.f_code.co_filename).resolve()
+    path = frame[0]
     return path.is_relative_to(_OWN_CODE) and not any(path.is_relative_to(other) for other in _NOT_OWN)
 
 

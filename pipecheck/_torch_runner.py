@@ -185,6 +185,8 @@ def torch_message(error: RankError) -> tuple[str, str | None]:
     if telling:  # the innermost cause that says something (a bare StopIteration deep inside fx says nothing)
         cause_type, cause_message = telling[-1]
         return _one_line(cause_type, cause_message), first_line(error.message).rstrip(":") or error.exc_type
+    if not first_line(error.message) and error.raised_at:  # a bare assert: where is all there is to say
+        return f"{error.exc_type} (raised at {error.raised_at})", None
     return _one_line(error.exc_type, error.message), None
 
 

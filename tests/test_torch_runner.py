@@ -322,3 +322,18 @@ def test_torch_s_own_failure_is_not_pipecheck_s() -> None:
     assert not in_pipecheck(torch_side, AttributeError)
     assert not in_pipecheck(lambda: pc.split(None, ()), pc.PipecheckError)  # pipecheck's deliberate errors
     assert in_pipecheck(lambda: merge_stage_grads(None, []), TypeError)  # raised in pipecheck's own line
+
+
+def test_a_bare_assert_inside_torch_is_named_by_where_it_was_raised() -> None:
+    """torch 2.10's fx interpreter fails Llama's outlined rotary embedding with a bare assert: the cell
+    says where, not only 'AssertionError'."""
+    def run_from() -> None:
+        raise AssertionError  # what a bare `assert` raises outside pytest's rewriting
+
+    try:
+        run_from()
+    except AssertionError as err:
+        error = RankError.from_exception(err, rank=0, stage=None, action=None)
+    message, context = torch_message(error)
+    assert message.startswith("AssertionError (raised at ") and message.endswith(" in run_from)"), message
+    assert "test_torch_runner.py:" in message and context is None
