@@ -23,6 +23,14 @@ NO_CONSTRAINTS = {"PIP_CONSTRAINT": os.devnull}
 NEWEST = {**NO_CONSTRAINTS, "DS_BUILD_OPS": "0"}  # DeepSpeed builds no C++ op at install time
 
 
+def _install_with_torch(session: nox.Session, minor: str) -> None:
+    """pipecheck and its test extras with torch ``minor`` (one resolution, so nothing moves torch), and
+    a check that it is the torch the session runs."""
+    session.install(f"torch=={minor}.*", "-e", ".[test]", env=NO_CONSTRAINTS)
+    session.run("python", "-c", "import sys, torch; from pipecheck._torch_versions import minor; "
+                f"print('torch', torch.__version__); sys.exit(minor(torch.__version__) != {minor!r})")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """What CI runs: the whole suite on the torch a fresh install resolves to (the newest), with the
@@ -35,8 +43,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def tests_floor(session: nox.Session) -> None:
     """The whole suite on the oldest supported torch (pyproject's floor), without the engine extras."""
-    session.install(f"torch=={TESTED_TORCH[0]}.*", env=NO_CONSTRAINTS)
-    session.install("-e", ".[test]", env=NO_CONSTRAINTS)
+    _install_with_torch(session, TESTED_TORCH[0])
     session.run("pytest", "-n", "auto", *session.posargs)
 
 
@@ -68,8 +75,7 @@ def nightly(session: nox.Session) -> None:
 def matrix(session: nox.Session, torch: str) -> None:
     """One supported torch: the default suite and the zoo (every torch schedule), recorded as JSON; then
     docs/torch-versions.md is rewritten from every version measured so far."""
-    session.install(f"torch=={torch}.*", env=NO_CONSTRAINTS)
-    session.install("-e", ".[test]", env=NO_CONSTRAINTS)
+    _install_with_torch(session, torch)
     session.run("python", "docs/torch_matrix.py", "run", "--out", f".nox/torch-matrix/{torch}.json")
     session.run("python", "docs/torch_matrix.py", "write")
 

@@ -1,6 +1,6 @@
 """The torch version matrix: measure one torch, then write docs/torch-versions.md from every measurement.
 
-    nox -s matrix                                     # every tested torch, one venv each (nightly; ~6 min each)
+    nox -s matrix                                     # every tested torch, one venv each (~8-10 min each)
     nox -s "matrix(torch='2.10')"                     # one of them
     python docs/torch_matrix.py run --out .nox/torch-matrix/2.10.json   # inside a venv with that torch
     python docs/torch_matrix.py write                 # the page, from .nox/torch-matrix/*.json
@@ -22,6 +22,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from pipecheck._torch_versions import is_tested, minor  # noqa: E402  (torch-free)
+
 RESULTS = ROOT / ".nox" / "torch-matrix"
 PAGE = ROOT / "docs" / "torch-versions.md"
 # The zoo's columns: pipecheck's two runners, then torch's engine on each of its schedules.
@@ -36,17 +39,18 @@ def run(out: Path) -> None:
 
     record: dict[str, object] = {"torch": torch.__version__, "python": platform.python_version(),
                                  "date": time.strftime("%Y-%m-%d")}
-    with_tmp = out.with_suffix(".junit.xml")
+    with_tmp, zoo_json = out.with_suffix(".junit.xml"), out.with_suffix(".zoo.json")
+    for stale in (out, with_tmp, zoo_json):  # a crashed step must not leave an older run's numbers
+        stale.unlink(missing_ok=True)
     started = time.perf_counter()
     tests = subprocess.run([sys.executable, "-m", "pytest", "-n", "auto", "-q", "-p", "no:cacheprovider",
                             f"--junitxml={with_tmp}", "--deselect", PAGE_TEST], cwd=ROOT, check=False)
     record["suite"] = {**_junit_counts(with_tmp), "status": tests.returncode,
                        "seconds": round(time.perf_counter() - started)}
-    zoo_json = out.with_suffix(".zoo.json")
     started = time.perf_counter()
     zoo = subprocess.run([sys.executable, "-m", "pipecheck", "zoo", "--columns", ZOO_COLUMNS,
                           "--stages-per-rank", "2", "--json", str(zoo_json)], cwd=ROOT, check=False)
-    cells = json.loads(zoo_json.read_text())["cells"] if zoo_json.exists() else []
+    cells = json.loads(zoo_json.read_text())["cells"] if zoo_json.exists() else []  # none: the zoo crashed
     record["zoo"] = {"status": zoo.returncode, "seconds": round(time.perf_counter() - started), "cells": cells}
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"torch {record['torch']}: {record['suite']}; zoo exit {zoo.returncode}")
@@ -68,12 +72,15 @@ def _junit_counts(path: Path) -> dict[str, object]:
 
 
 def write(results: Path, page: Path) -> None:
-    records = sorted((json.loads(p.read_text()) for p in results.glob("*.json") if not p.name.endswith(".zoo.json")),
-                     key=lambda r: tuple(int(n) for n in r["torch"].split("+")[0].split(".")))
+    measured = [json.loads(p.read_text()) for p in results.glob("*.json") if not p.name.endswith(".zoo.json")]
+    records = sorted((r for r in measured if is_tested(r["torch"])),  # a version no longer supported: left out
+                     key=lambda r: tuple(int(n) for n in minor(r["torch"]).split(".")))
     if not records:
         sys.exit(f"no measurements in {results}; run `nox -s matrix` first")
     body = "\n\n".join([_suite_table(records), _conformance_table(records), _failures(records)])
     text = page.read_text() if page.exists() else f"{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        sys.exit(f"{page} has no {BEGIN} ... {END} block to write into; add the two markers")
     head, rest = text.split(BEGIN, 1)
     page.write_text(f"{head}{BEGIN}\n{body.strip()}\n{END}{rest.split(END, 1)[1]}")
     print(f"wrote {page} from {len(records)} torch versions")
@@ -147,7 +154,7 @@ def _conformance_table(records: list[dict]) -> str:
             "later stage; `dict_outputs`, `hf_t5`: outputs of an earlier stage; `buffers`, `running_stats`: "
             "buffers; `hf_llama`, `hf_mixtral`: a rotary embedding computed under no_grad. FAIL is a wrong "
             "answer torch gives silently; ERROR is torch failing to run; the JSON files under "
-            "`.nox/torch-matrix/` keep torch's whole messages.\n\n"
+            "`.nox/torch-matrix/` keep each cell's whole first line (`message`).\n\n"
             + _table(["model", "schedules", *(r["torch"] for r in records)], rows))
 
 

@@ -174,10 +174,11 @@ def float64_failure_explained(model: nn.Module) -> Iterator[None]:
         device = next((p.device.type for p in model.parameters()), "cpu")
         raise InputError(
             f"the float64 copy of {type(model).__name__} (pipecheck's ground truth) failed where the model "
-            f"itself ran in its own dtype: {first_line(err).split(' Fix: ')[0]} An op of the model has no "
-            f"float64 kernel on {device} (torch._grouped_mm on CPU, which transformers' mixture-of-experts "
-            "layers call by default, is one). Fix: give that layer an implementation with float64 kernels "
-            "(transformers: config experts_implementation='batched_mm'), or check on a device that has them."
+            f"itself ran in its own dtype: {first_line(err).split(' Fix: ')[0]} Most often an op of the model "
+            f"has no float64 kernel on {device} (torch._grouped_mm on CPU, which transformers' mixture-of-"
+            "experts layers call by default, is one), or the model makes tensors of a fixed dtype. Fix: give "
+            "that layer an implementation with float64 kernels (transformers: config "
+            "experts_implementation='batched_mm'), or check on a device that has them."
         ) from err
 
 
@@ -190,6 +191,22 @@ def check_deterministic(model: nn.Module, inputs: Inputs, n_microbatches: int, s
     agree to within the square root of the dtype's epsilon (scaled by the output), not bitwise:
     GPU kernels that add with atomics (``index_add``, ``scatter_add``) differ in the last bits from
     call to call, while dropout and sampling differ at the scale of the values."""
+    if _random_outputs(model, inputs, n_microbatches, seed):
+        raise _random_model_error(model)
+
+
+def refuse_random(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> None:
+    """:func:`check_deterministic`'s refusal if ``model`` is random; nothing if it is not, or if its
+    eager forward fails (the caller's own error then stands)."""
+    try:
+        random = _random_outputs(model, inputs, n_microbatches, seed)
+    except Exception:
+        return
+    if random:
+        raise _random_model_error(model)
+
+
+def _random_outputs(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> bool:
     runs = []
     for offset in (1, 2):
         inputs = inputs.unspoiled()  # a forward that wrote into its inputs: the second run gets a copy
@@ -197,24 +214,16 @@ def check_deterministic(model: nn.Module, inputs: Inputs, n_microbatches: int, s
         call = inspect.BoundArguments(inputs.signature, first)
         with seeded(seed + offset), torch.no_grad(), buffers_kept(model):
             runs.append(pytree.tree_leaves(_call(model, call, n_microbatches)))
-    if any(isinstance(a, torch.Tensor) and _differ(a, b) for a, b in zip(*runs)):
-        raise InputError(
-            f"{type(model).__name__} is not deterministic: two eager forwards of the same micro-batch give "
-            "different outputs (dropout or another random op in train mode, or a generator, random module or "
-            "call counter of its own?). No pipeline can match it. Fix: check the model in eval mode "
-            "(model.eval()) or without its random ops."
-        )
+    return any(isinstance(a, torch.Tensor) and _differ(a, b) for a, b in zip(*runs))
 
 
-def refuse_random(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> None:
-    """:func:`check_deterministic`'s InputError if ``model`` is random; nothing if it is not, or if its
-    eager forward fails (the caller's own error then stands)."""
-    try:
-        check_deterministic(model, inputs, n_microbatches, seed)
-    except InputError:
-        raise
-    except Exception:
-        return
+def _random_model_error(model: nn.Module) -> InputError:
+    return InputError(
+        f"{type(model).__name__} is not deterministic: two eager forwards of the same micro-batch give "
+        "different outputs (dropout or another random op in train mode, or a generator, random module or "
+        "call counter of its own?). No pipeline can match it. Fix: check the model in eval mode "
+        "(model.eval()) or without its random ops."
+    )
 
 
 def _differ(a: torch.Tensor, b: Any) -> bool:

@@ -9,14 +9,16 @@ to be parsed back.
 from __future__ import annotations
 
 import traceback as _traceback
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
-# pipecheck's own code: the package's modules, not the models it ships (fixtures) or generates (strategies).
-_OWN_CODE = Path(__file__).resolve().parent
-_NOT_OWN = (_OWN_CODE / "fixtures", _OWN_CODE / "strategies")
-# What an API that is missing or changed raises at the call site (attribute gone, keyword gone, module gone).
-_API_ERRORS = (AttributeError, TypeError, ImportError)
+# pipecheck's adapters: the rank-side modules that call an engine's or torch's own API, where a release
+# that drops or changes that API fails.
+_ADAPTERS = {Path(__file__).resolve().parent / f"{name}.py" for name in (
+    "_torch_rank", "_torch_schedules", "_titan_rank", "_deepspeed_rank", "_deepspeed_layers")}
+# The packages whose API the adapters call.
+_ENGINE_PACKAGES = ("torch", "deepspeed", "torchtitan")
 
 
 @dataclass(frozen=True)
@@ -75,21 +77,28 @@ def _raised_at(error: BaseException) -> str:
     parts = path.parts
     package = next((i for i in range(len(parts) - 1, -1, -1) if parts[i] in ("site-packages", "dist-packages")),
                    None)
-    shown = "/".join(parts[package + 1:]) if package is not None else path.name
+    shown = "/".join(parts[package + 1:] if package is not None else parts[-2:])  # pipecheck/_x.py editable
     return f"{shown}:{line} in {function}"
 
 
+def _of_an_engine(name: str | None) -> bool:
+    return bool(name) and str(name).split(".")[0] in _ENGINE_PACKAGES
+
+
 def raised_in_pipecheck(error: BaseException) -> bool:
-    """Whether ``error`` says an API pipecheck calls is missing or changed: an AttributeError,
-    TypeError or ImportError whose innermost frame is pipecheck's own code (a keyword torch no
-    longer takes fails at the caller's line; a model's or torch's own error is raised in theirs)."""
-    if not isinstance(error, _API_ERRORS) or isinstance(error, PipecheckError):
-        return False
+    """Whether ``error`` says an API of torch or an engine that pipecheck's adapter calls is missing or
+    changed: raised in an adapter's own line (a keyword a release no longer takes fails at the caller's
+    line; torch's or a model's own errors are raised in theirs) and, for an attribute or a module, one
+    of torch's or an engine's (a user's object that lacks one, or a job the ranks cannot import, is not)."""
     frame = _innermost(error)
-    if frame is None:
+    if frame is None or frame[0] not in _ADAPTERS or isinstance(error, PipecheckError):
         return False
-    path = frame[0]
-    return path.is_relative_to(_OWN_CODE) and not any(path.is_relative_to(other) for other in _NOT_OWN)
+    if isinstance(error, AttributeError):
+        owner = getattr(error, "obj", None)
+        return _of_an_engine(owner.__name__ if isinstance(owner, types.ModuleType) else type(owner).__module__)
+    if isinstance(error, ImportError):
+        return _of_an_engine(error.name)
+    return isinstance(error, TypeError)
 
 
 def first_line(text: object) -> str:
@@ -141,36 +150,34 @@ class WorldError(PipecheckError):
     """A worker process of a :class:`pipecheck.World` failed, hung or died."""
 
 
-class EngineError(PipecheckError):
+class _FailureInAnEngine(PipecheckError):
+    """A failure while an engine ran: ``engine`` names the engine, ``rank`` and ``stage`` say where it
+    failed when known, and ``cause`` is the failing rank's :class:`RankError`."""
+
+    def __init__(self, message: str, *, engine: str | None = None, rank: int | None = None,
+                 stage: int | None = None, cause: RankError | None = None) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.rank = rank
+        self.stage = stage
+        self.cause = cause
+
+
+class EngineError(_FailureInAnEngine):
     """The pipeline engine under test failed to run the job (not a numerical mismatch).
 
     ``engine`` names the engine, ``rank`` and ``stage`` say where it failed when
     known, and ``cause`` is the failing rank's :class:`RankError`.
     """
 
-    def __init__(self, message: str, *, engine: str | None = None, rank: int | None = None,
-                 stage: int | None = None, cause: RankError | None = None) -> None:
-        super().__init__(message)
-        self.engine = engine
-        self.rank = rank
-        self.stage = stage
-        self.cause = cause
 
-
-class AdapterError(PipecheckError):
+class AdapterError(_FailureInAnEngine):
     """pipecheck's own adapter to an engine failed: an API of torch (or of the engine) that it calls is
-    missing or changed on the installed version. pipecheck's problem, not a finding about the engine.
+    missing or changed on the installed version. pipecheck's problem, not a finding about the engine
+    (not an :class:`EngineError`).
 
     ``engine``, ``rank``, ``stage`` and ``cause`` as on :class:`EngineError`.
     """
-
-    def __init__(self, message: str, *, engine: str | None = None, rank: int | None = None,
-                 stage: int | None = None, cause: RankError | None = None) -> None:
-        super().__init__(message)
-        self.engine = engine
-        self.rank = rank
-        self.stage = stage
-        self.cause = cause
 
 
 class NonFiniteError(PipecheckError):

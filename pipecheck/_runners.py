@@ -38,7 +38,7 @@ from pipecheck._model_factory import ModelFactory
 from pipecheck._pipe import TiedGroup
 from pipecheck._reference import DetachExecutor
 from pipecheck._result import StepResult
-from pipecheck._torch_versions import tested_note
+from pipecheck._torch_versions import TESTED_TORCH, is_tested, tested_note
 from pipecheck._world import World, pickle_problem
 
 BUILTIN = ("reference", "distributed", "torch")
@@ -160,12 +160,15 @@ def merge_stage_grads(stage_grads: Mapping[int, Mapping[str, torch.Tensor]], tie
 def adapter_error(error: RankError, engine: str) -> AdapterError:
     """A rank's failure in pipecheck's own code calling an API of torch or ``engine`` that is not there."""
     where = f", during {error.action}" if error.action else ""
+    fix = ("this torch is one pipecheck is tested on, so this is pipecheck's bug: report it with the "
+           "traceback below" if is_tested(torch.__version__) else
+           f"install a tested torch (pip install 'torch>={TESTED_TORCH[0]},<={TESTED_TORCH[-1]}.*'), or "
+           "report this with the traceback below")
     return AdapterError(
-        f"pipecheck's adapter for {engine} failed: {error.summary}\n"
+        f"{error.summary} (in pipecheck's adapter for {engine}, {error.raised_at})\n"
         f"This is pipecheck's error, not a finding about {engine}: on rank {error.rank}, stage {error.stage}"
         f"{where}, pipecheck called an API that is missing or changed in this release. "
-        f"{tested_note(torch.__version__)}. Fix: install a tested torch (see docs/torch-versions.md), "
-        f"or report this with the traceback below.\n"
+        f"{tested_note(torch.__version__)}. Fix: {fix}.\n"
         f"Traceback on rank {error.rank}:\n{error.traceback.rstrip()}",
         engine=engine, rank=error.rank, stage=error.stage, cause=error,
     )

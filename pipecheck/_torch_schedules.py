@@ -35,10 +35,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pipecheck._errors import ScheduleError
+from pipecheck._errors import AdapterError, ScheduleError
 from pipecheck._schedule_data import round_robin, v_shape
 from pipecheck._schedule_sim import problem_list
-from pipecheck._torch_versions import at_least
+from pipecheck._torch_versions import at_least, tested_note
 
 ENGINE = "torch.distributed.pipelining"
 
@@ -123,9 +123,10 @@ def torch_layout(name: str, n_stages: int, n_microbatches: int, stages_per_rank:
     class_name = str(schedule.single if single else schedule.multi)
     from torch.distributed.pipelining import schedules
 
-    if not hasattr(schedules, class_name):
-        raise ScheduleError(f"torch {torch.__version__} has no {class_name} (schedule {name!r}); "
-                            "use a torch release that has it, or another schedule")
+    if not hasattr(schedules, class_name):  # every tested torch has every class in the table above
+        raise AdapterError(f"torch {torch.__version__} has no {class_name} (schedule {name!r}), which "
+                           f"pipecheck's table of torch's schedules names; {tested_note(torch.__version__)}. "
+                           "Fix: install a tested torch, or use another schedule.", engine=ENGINE)
     placement = v_shape(n_ranks) if schedule.placement == "v" else round_robin(n_stages, n_ranks)
     return TorchLayout(key, class_name, placement)
 

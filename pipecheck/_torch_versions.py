@@ -26,8 +26,12 @@ def at_least(version: str, floor: str) -> bool:
     return number(version) >= number(floor)
 
 
+def is_tested(version: str) -> bool:
+    return minor(version) in TESTED_TORCH
+
+
 def tested_note(version: str) -> str:
     """One sentence: the tested range, and where ``version`` stands in it."""
-    where = "one of them" if minor(version) in TESTED_TORCH else "not one of them"
+    where = "one of them" if is_tested(version) else "not one of them"
     return (f"pipecheck is tested on torch {TESTED_TORCH[0]} to {TESTED_TORCH[-1]} "
-            f"(docs/torch-versions.md); this is torch {version}, {where}")
+            f"(docs/torch-versions.md in its repository); this is torch {version}, {where}")

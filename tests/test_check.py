@@ -668,5 +668,17 @@ def test_an_op_without_a_float64_kernel_is_named_as_the_ground_truth_s_failure_n
     message = str(caught.value)
     assert message.startswith("the float64 copy of NoFloat64Kernel (pipecheck's ground truth) failed where the "
                               "model itself ran in its own dtype: the eager model failed on one micro-batch")
-    assert "got Double" in message and "no float64 kernel on cpu" in message
+    assert "got Double" in message and "has no float64 kernel on cpu" in message
     assert "experts_implementation='batched_mm'" in message
+
+
+def test_an_untraceable_model_whose_forward_fails_keeps_its_trace_error() -> None:
+    class FailsAndUntraceable(Untraceable):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if float(x.detach().sum()) > -1e9:
+                raise ValueError("the model's own bug")
+            return x
+
+    with pytest.raises(pc.TraceError, match="neither tracer could trace FailsAndUntraceable"):
+        pc.assert_equivalent(FailsAndUntraceable(random=False), (torch.randn(8, 4),), runner="reference",
+                             n_microbatches=2)

@@ -62,3 +62,14 @@ def test_an_unwritable_json_path_is_refused_before_the_zoo_runs(tmp_path: Path,
                  str(tmp_path / "missing" / "zoo.json")]) == 2
     err = capsys.readouterr()
     assert "cannot write --json" in err.err and "| mlp" not in err.out
+
+
+def test_a_cell_that_raises_what_pipecheck_never_raises_is_an_internal_error_counted_everywhere() -> None:
+    from pipecheck._cli_zoo import zoo_cell
+
+    def broken() -> None:
+        raise KeyError("a bug")
+
+    cell = zoo_cell(broken)
+    assert (cell.outcome, cell.text, cell.message) == ("internal", "INTERNAL ERROR KeyError: 'a bug'",
+                                                       "KeyError: 'a bug'")

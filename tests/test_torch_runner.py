@@ -293,10 +293,11 @@ def test_an_api_missing_on_the_ranks_is_pipecheck_s_adapter_error_not_torch_s(pi
     with pytest.raises(pc.AdapterError) as caught:
         check(pipecheck_world(4), "mlp")
     message = str(caught.value)
-    assert message.startswith("pipecheck's adapter for torch.distributed.pipelining failed: AttributeError: ")
-    assert "ScheduleGoneInThisTorch" in message.splitlines()[0]
+    first = message.splitlines()[0]
+    assert first.startswith("AttributeError: ") and "ScheduleGoneInThisTorch" in first, first
+    assert "(in pipecheck's adapter for torch.distributed.pipelining, pipecheck/_torch_rank.py:" in first, first
     assert "This is pipecheck's error, not a finding about torch.distributed.pipelining" in message
-    assert f"this is torch {torch.__version__}" in message
+    assert f"this is torch {torch.__version__}, one of them" in message and "this is pipecheck's bug" in message
     assert not isinstance(caught.value, pc.EngineError)
     assert (caught.value.engine, caught.value.cause.in_pipecheck) == ("torch.distributed.pipelining", True)
 
@@ -305,23 +306,44 @@ def test_the_zoo_exits_4_for_an_adapter_error_even_in_the_torch_column(pipecheck
     pipecheck_world(4)  # the shared World the columns run on
     _with_a_schedule_class_torch_lacks(monkeypatch)
     assert main(["zoo", "--models", "mlp", "--runners", "reference,torch"]) == 4
-    assert "ERROR AdapterError: pipecheck's adapter for torch.distributed.pipelining" in capsys.readouterr().out
+    assert "ERROR AdapterError: AttributeError: " in capsys.readouterr().out
 
 
-def test_torch_s_own_failure_is_not_pipecheck_s() -> None:
-    def torch_side() -> None:  # stands in for torch's or the model's code: not a pipecheck module
-        raise AttributeError("'Tensor' object has no attribute 'foo'")
+def test_torch_s_own_failure_and_the_user_s_are_not_pipecheck_s() -> None:
+    """Only an adapter's own line calling an engine's API is pipecheck's failure: not torch's or a
+    model's code, not a user's object that lacks an attribute, not a job the ranks cannot import."""
+    import pickle
+
+    from pipecheck._torch_rank import stage_grads
+    from pipecheck._worker import RankContext, run_call
 
     def in_pipecheck(call: Any, error: type[BaseException]) -> bool:
         with pytest.raises(error) as caught:
             call()
         return RankError.from_exception(caught.value, rank=0, stage=0, action=None).in_pipecheck
 
-    from pipecheck._runners import merge_stage_grads
+    class UserThing:  # a user's object reached from an adapter's line
+        pass
+
+    def torch_side() -> None:  # stands in for torch's or the model's code: not a pipecheck adapter
+        raise AttributeError("'Tensor' object has no attribute 'foo'")
 
     assert not in_pipecheck(torch_side, AttributeError)
     assert not in_pipecheck(lambda: pc.split(None, ()), pc.PipecheckError)  # pipecheck's deliberate errors
-    assert in_pipecheck(lambda: merge_stage_grads(None, []), TypeError)  # raised in pipecheck's own line
+    assert not in_pipecheck(lambda: stage_grads(UserThing(), {}, {}), AttributeError)  # type: ignore[arg-type]
+    assert in_pipecheck(lambda: stage_grads(torch.nn, {}, {}), AttributeError)  # type: ignore[arg-type]
+    gone = pickle.dumps(_world_jobs_pid_task())
+    ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+    failed = run_call(ctx, 0, gone.replace(b"_world_jobs", b"_world_gone"))  # same length: a module the ranks lack
+    assert not failed.error.in_pipecheck and failed.error.exc_type == "ModuleNotFoundError"  # type: ignore[union-attr]
+
+
+def _world_jobs_pid_task() -> Any:
+    from _world_jobs import pid
+
+    from pipecheck._worker import TaskCall
+
+    return TaskCall(pid, (), {})
 
 
 def test_a_bare_assert_inside_torch_is_named_by_where_it_was_raised() -> None:

@@ -260,3 +260,12 @@ def test_torch_zero_bubble_cannot_take_a_loss_that_is_a_view(pipecheck_world) ->
                              n_microbatches=N_MICROBATCHES, loss_fn=loss_as_a_view, target=target,
                              world=pipecheck_world(2))
     assert str(caught.value).startswith("RuntimeError: Can't detach views in-place")
+
+
+def test_a_schedule_class_this_torch_lacks_is_pipecheck_s_adapter_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not an n/a cell that the zoo counts as a pass: pipecheck's table of torch's classes is wrong here."""
+    from torch.distributed.pipelining import schedules
+
+    monkeypatch.delattr(schedules, "ScheduleDualPipeV")
+    with pytest.raises(pc.AdapterError, match=r"has no ScheduleDualPipeV \(schedule 'dualpipev'\).*Fix: install"):
+        torch_layout("dualpipev", 4, 4, 2)
