@@ -118,7 +118,7 @@ LABELS = (
     ("only supports adjacent-stage", "ERROR: skip connection refused"),
     ("unexpected keyword argument", "ERROR: kwarg handed to the wrong stage"),
     ("only last-stage outputs", "refused: drops earlier stages' outputs"),
-    ("only Tensors of floating point dtype", "ERROR: int input ids made to require grad"),
+    ("only Tensors of floating point dtype", "ERROR: an integer tensor made to require grad"),
     ("Expected positional argument", "ERROR: outlined no_grad region called without inputs"),
     ("unexpected placeholder node", "ERROR: outlined no_grad region called without inputs"),
     ("backward through the graph a second time", "ERROR: zero-bubble W walks a freed graph"),

@@ -15,8 +15,8 @@ VERSION = torch.__version__
 SKIP = ("" if at_least(VERSION, "2.12") else "AssertionError: ") + "Backward of skip connections not supported yet"
 
 # GPT-2 and BERT (hf_gpt2, hf_bert) under pipeline(): from 2.13 torch runs them and leaves the tied word
-# embedding unsynchronised (a silent wrong answer); before, stage 1 fails on the integer input ids it is
-# handed (measured on 2.10, 2.11 and 2.12).
+# embedding unsynchronised (a silent wrong answer); before, stage 1 fails making an integer tensor it is
+# handed require grad (measured on 2.10, 2.11 and 2.12).
 HF_TIED_RUNS = at_least(VERSION, "2.13")
 HF_TIED_CRASH = "RuntimeError: only Tensors of floating point dtype can require gradients"
 
