@@ -45,9 +45,11 @@ def main(checks: list[str]) -> int:
             status, text = "MATCH", str(report)
         except pc.EquivalenceError as err:
             status, text, failed = "MISMATCH", str(err), failed + 1
-        print(f"RANK {rank} {check} {status}", flush=True)
+        # one write each: the ranks share stdout, and print() writes a line in pieces another rank's
+        # line can land between (seen on torch 2.15)
+        os.write(1, f"RANK {rank} {check} {status}\n".encode())
         if rank == 0:
-            print(text, flush=True)
+            os.write(1, f"{text}\n".encode())
     world.close()
     return 1 if failed else 0
 
