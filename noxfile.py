@@ -63,11 +63,15 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session
 def nightly(session: nox.Session) -> None:
-    """Many more hypothesis examples (HYPOTHESIS_PROFILE=nightly), then the tests marked slow."""
+    """Many more hypothesis examples (HYPOTHESIS_PROFILE=nightly), then the tests marked slow, then the
+    torch version matrix (every supported torch: about an hour on 2 cores; it re-checks the release
+    boundaries tests/_torch_findings.py assumes)."""
     session.install("-e", ".[test]", env=NO_CONSTRAINTS)
     session.run("pytest", "-n", "auto", "tests/test_properties.py", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "nightly"})
     session.run("pytest", "-n", "auto", "-m", "slow")  # e.g. two torchrun agents as two nodes
+    for minor in TESTED_TORCH:  # notify("matrix") would queue only the first of them
+        session.notify(f"matrix(torch={minor!r})")
 
 
 @nox.session
