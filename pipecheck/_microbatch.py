@@ -70,7 +70,10 @@ def split_microbatches(value: Any, n_microbatches: int, what: str = "input") -> 
                     f"has no batch dimension (shape {tuple(leaf.shape)}), pass it as pc.Replicated(value): "
                     "every micro-batch then gets it whole."
                 )
-            columns.append(list(leaf.split(batch // n_microbatches)))
+            chunks = leaf.split(batch // n_microbatches)
+            # Views of one tensor share its version counter: a forward that writes into its input
+            # (``x.mul_(2)``) would invalidate what autograd saved from the micro-batches before it.
+            columns.append([chunk.clone() for chunk in chunks] if n_microbatches > 1 else list(chunks))
         else:
             columns.append([leaf] * n_microbatches)
     return [pytree.tree_unflatten([col[m] for col in columns], spec) for m in range(n_microbatches)]

@@ -24,7 +24,7 @@ from pipecheck._microbatch import unwrap_replicated
 from pipecheck._model_factory import buffers_kept, seeded
 from pipecheck._trace_export import trace_export
 from pipecheck._trace_fx import trace_fx
-from pipecheck._traced import Traced
+from pipecheck._traced import Traced, unknown_output_error
 
 TRACERS: dict[str, Callable[[nn.Module, tuple[Any, ...], dict[str, Any], dict[str, SplitPoint]], Traced]] = {
     "fx": trace_fx,
@@ -51,7 +51,8 @@ def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split
     failures: list[TraceError] = []
     for name in order:
         try:
-            return TRACERS[name](model, args, kwargs, split_spec)
+            with seeded(0):  # a forward that draws (Python's random, numpy) leaves the caller's RNGs as they were
+                return TRACERS[name](model, args, kwargs, split_spec)
         except TraceError as err:
             failures.append(err)
     _refuse_unsupported_output(model, args, kwargs)
@@ -77,9 +78,4 @@ def _refuse_unsupported_output(model: nn.Module, args: tuple[Any, ...], kwargs: 
         return  # the model fails eagerly too: the trace error says more
     odd = sorted({type(leaf).__qualname__ for leaf in pytree.tree_leaves(outputs) if not isinstance(leaf, _PLAIN_LEAVES)})
     if odd:
-        raise SplitError(
-            f"{type(model).__name__}.forward returns an object of class {', '.join(odd)}, which torch.utils._pytree "
-            "does not know, so no tracer can describe the outputs a stage must hand on. Fix: return a tuple, "
-            "dict or NamedTuple of tensors, or register the class: torch.utils._pytree.register_dataclass for "
-            "a dataclass, torch.utils._pytree.register_pytree_node otherwise (flatten to its tensors, unflatten back)."
-        )
+        raise unknown_output_error(model, odd)

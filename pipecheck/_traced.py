@@ -86,3 +86,14 @@ def try_resolve(root: nn.Module, target: str) -> Any:
         return resolve(root, target)
     except AttributeError:
         return None
+
+
+def unknown_output_error(model: nn.Module, classes: list[str]) -> SplitError:
+    """The refusal of a ``forward`` that returns objects torch's pytree cannot flatten."""
+    return SplitError(
+        f"{type(model).__name__}.forward returns an object of class {', '.join(classes)}, which torch.utils._pytree "
+        "does not know, so no tracer can describe the outputs a stage must hand on (nor can they be split into "
+        "micro-batches and compared). Fix: return a tuple, dict or NamedTuple of tensors, or register the class: "
+        "torch.utils._pytree.register_dataclass for a dataclass, torch.utils._pytree.register_pytree_node "
+        "otherwise (flatten to its tensors, unflatten back)."
+    )
