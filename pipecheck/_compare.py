@@ -38,8 +38,13 @@ def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref
     _compare_outputs(pipe, job, result, eager, ref64, tolerance, rows, hints)
     rows.append(compare("loss", result.loss, eager.loss, ref64.loss, tolerance, (pipe.num_stages - 1,)))
     _compare_buffers(pipe, job, result, eager, ref64, tolerance, initial_buffers, rows, hints, notes)
-    if not check_grads:
-        return rows, hints, notes
+    if check_grads:
+        _compare_grads(pipe, job, result, eager, ref64, tolerance, rows, hints)
+    return rows, hints, notes + nan_notes(rows)
+
+
+def _compare_grads(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
+                   tolerance: ToleranceLike, rows: list[Row], hints: dict[str, str]) -> None:
     _compare_param_grads(pipe, job, result, eager, ref64, tolerance, rows, hints)
     _diagnose_dropped_skips(pipe, job, result, rows, hints)
     for name, e_grad in eager.input_grads.items():
@@ -51,7 +56,27 @@ def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref
     _unexpected_grads(result.input_grads, eager.input_grads, "grad input ", lambda name: _consumers(pipe, name),
                       rows, hints, "eager computes no gradient for this input (it does not require grad, or "
                       "no output depends on it through a differentiable path): a runner must not invent one")
-    return rows, hints, notes
+
+
+def nan_notes(rows: list[Row]) -> list[str]:
+    """Where the runner's NaN first shows, in dataflow order: the forward's values (outputs, loss)
+    come before every gradient, and the backward runs from the last stage to the first."""
+    poisoned = [row for row in rows if row.n_nan]
+    if not poisoned:
+        return []
+    forward = [row for row in poisoned if not row.name.startswith("grad ")]
+    if forward:
+        first = "already in the forward: " + ", ".join(
+            f"{row.name} (stage {','.join(map(str, row.stages)) or '-'})" for row in forward)
+    else:
+        last = max(max(row.stages, default=-1) for row in poisoned)
+        on_it = [row.name for row in poisoned if last in row.stages]
+        first = (f"only in the backward (outputs and loss are numbers), first on stage {last}, the last stage "
+                 f"holding a NaN gradient ({', '.join(on_it[:3])}{' ...' if len(on_it) > 3 else ''}): the backward "
+                 "runs from the last stage to the first")
+    total = sum(row.n_nan for row in poisoned)
+    return [f"the runner produced NaN where eager has numbers: {total} elements in {len(poisoned)} "
+            f"{'row' if len(poisoned) == 1 else 'rows'} (shown as inf errors), {first}."]
 
 
 def _consumers(pipe: Pipe, name: str) -> tuple[int, ...]:

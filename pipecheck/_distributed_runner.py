@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from pipecheck._arguments import check_arguments
 from pipecheck._errors import InputError, plural
 from pipecheck._inputs import as_args
 from pipecheck._job import Job
@@ -110,8 +111,10 @@ def run_pipeline(world: World, model: Any, args: Sequence[Any] | Any, kwargs: Ma
 
     ``model`` is an nn.Module or a zero-argument factory; either travels to the ranks pickled.
     """
-    if loss_fn is None and target is not None:
-        raise InputError("target was given without loss_fn. Fix: pass loss_fn=..., or drop target.")
+    check_arguments("run_pipeline", model=model, args=args, kwargs=kwargs, split_spec=split_spec, policy=policy,
+                    loss_fn=loss_fn, target=target, n_microbatches=n_microbatches,
+                    stages_per_rank=stages_per_rank, seed=seed, timeout=timeout,
+                    world=world, world_optional=False, trace_path=trace_path)
     job = Job(model=ModelFactory(model, seed=seed), args=as_args(args), kwargs=dict(kwargs or {}),
               split_spec=split_spec, policy=policy, tracer=tracer, loss_fn=loss_fn, target=target,
               n_microbatches=n_microbatches, schedule=schedule, world_size=world.world_size,

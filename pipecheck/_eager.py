@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from pipecheck._errors import InputError, NonFiniteError, PipecheckError, first_line
 from pipecheck._inputs import Inputs, cast_module
 from pipecheck._microbatch import merge_microbatches, split_microbatches, unwrap_replicated
-from pipecheck._model_factory import buffers_kept, seeded
+from pipecheck._model_factory import buffers_kept, rng_fingerprint, seeded
 from pipecheck._numerics import nonfinite
 from pipecheck._result import StepResult
 from pipecheck._torch_warnings import torch_internal_warnings_ignored
@@ -186,43 +186,75 @@ def check_deterministic(model: nn.Module, inputs: Inputs, n_microbatches: int, s
     """Refuse a model whose outputs are random: no pipeline can match it, and its spread would widen
     the auto tolerance until a wrong answer passes. Leaves the model's buffers as found.
 
-    Two forwards of the first micro-batch under different seeds, always: randomness from the global
-    RNG, a generator of the model's own, Python's ``random`` or a call counter all show. They must
-    agree to within the square root of the dtype's epsilon (scaled by the output), not bitwise:
-    GPU kernels that add with atomics (``index_add``, ``scatter_add``) differ in the last bits from
-    call to call, while dropout and sampling differ at the scale of the values."""
-    if _random_outputs(model, inputs, n_microbatches, seed):
-        raise _random_model_error(model)
+    Two forwards of the first micro-batch under different seeds (torch's, Python's ``random`` and
+    numpy's: :func:`seeded`). A difference beyond the square root of the dtype's epsilon
+    (scaled by the output) is randomness: dropout, sampling, a generator or call counter of the
+    model's own. A smaller one is randomness only if the forward drew from an RNG and a third
+    forward under the first seed gives back the first's bits: stochastic depth behind a 1e-6 layer
+    scale moves outputs by a few ulps, while GPU kernels that add with atomics (``index_add``,
+    ``scatter_add``) differ in the last bits from call to call without drawing anything."""
+    found = _random_outputs(model, inputs, n_microbatches, seed)
+    if found:
+        raise _random_model_error(model, found)
 
 
 def refuse_random(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> None:
     """:func:`check_deterministic`'s refusal if ``model`` is random; nothing if it is not, or if its
     eager forward fails (the caller's own error then stands)."""
     try:
-        random = _random_outputs(model, inputs, n_microbatches, seed)
+        found = _random_outputs(model, inputs, n_microbatches, seed)
     except Exception:
         return
-    if random:
-        raise _random_model_error(model)
+    if found:
+        raise _random_model_error(model, found)
 
 
-def _random_outputs(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> bool:
-    runs = []
-    for offset in (1, 2):
-        inputs = inputs.unspoiled()  # a forward that wrote into its inputs: the second run gets a copy
-        first = split_microbatches(inputs.arguments, n_microbatches)[0]
-        call = inspect.BoundArguments(inputs.signature, first)
+def _random_outputs(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> str:
+    """Why the model's outputs are random ("" if they are not)."""
+
+    def forward(offset: int) -> tuple[list[Any], bool]:
+        nonlocal inputs
+        inputs = inputs.unspoiled()  # a forward that wrote into its inputs: the next run gets a copy
+        call = inspect.BoundArguments(inputs.signature, split_microbatches(inputs.arguments, n_microbatches)[0])
         with seeded(seed + offset), torch.no_grad(), buffers_kept(model):
-            runs.append(pytree.tree_leaves(_call(model, call, n_microbatches)))
-    return any(isinstance(a, torch.Tensor) and _differ(a, b) for a, b in zip(*runs))
+            before = rng_fingerprint()
+            leaves = pytree.tree_leaves(_call(model, call, n_microbatches))
+            drew = rng_fingerprint() != before
+        return leaves, drew
+
+    (first, drew_first), (second, drew_second) = forward(1), forward(2)
+    pairs = [(a, b) for a, b in zip(first, second) if isinstance(a, torch.Tensor)]
+    if any(_differ(a, b) for a, b in pairs):
+        return "two eager forwards of the same micro-batch under different seeds give different outputs"
+    if not (drew_first or drew_second) or all(_same_bits(a, b) for a, b in pairs):
+        return ""
+    again, _ = forward(1)
+    if all(_same_bits(a, b) for a, b in zip(first, again) if isinstance(a, torch.Tensor)):
+        worst = max(_relative_change(a, b) for a, b in pairs)
+        return (f"its forward draws random numbers, and its outputs follow the seed: they change by up to "
+                f"{worst:.1e} relative under another seed and come back bit for bit under the same one")
+    return ""
 
 
-def _random_model_error(model: nn.Module) -> InputError:
+def _same_bits(a: torch.Tensor, b: Any) -> bool:
+    return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and bool(
+        torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                              and torch.equal(a.nan_to_num(), b.nan_to_num())))
+
+
+def _relative_change(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not (a.is_floating_point() and a.numel()):
+        return 0.0
+    a64, b64 = a.double().nan_to_num(), b.double().nan_to_num()
+    return float((a64 - b64).abs().max() / a64.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
+
+
+def _random_model_error(model: nn.Module, why: str) -> InputError:
     return InputError(
-        f"{type(model).__name__} is not deterministic: two eager forwards of the same micro-batch give "
-        "different outputs (dropout or another random op in train mode, or a generator, random module or "
-        "call counter of its own?). No pipeline can match it. Fix: check the model in eval mode "
-        "(model.eval()) or without its random ops."
+        f"{type(model).__name__} is not deterministic: {why} (dropout, stochastic depth or another random op "
+        "in train mode, or a generator, random module or call counter of its own?). No pipeline can match it, "
+        "and pipecheck does not compare random draws. Fix: check the model in eval mode (model.eval()) or "
+        "without its random ops."
     )
 
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import random
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,18 +31,39 @@ ModelLike = nn.Module | Callable[[], nn.Module]
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    """Run a block with every RNG seeded, and leave the caller's RNG states exactly as they were.
+    """Run a block with every RNG seeded: torch's, Python's ``random`` and numpy's (where numpy is
+    imported), and leave the caller's RNG states exactly as they were.
 
-    ``torch.manual_seed`` would also queue a lazy reseed of CUDA that ``fork_rng(devices=[])``
+    A factory or forward that draws from numpy or ``random`` then builds and runs the same in every
+    process. ``torch.manual_seed`` would also queue a lazy reseed of CUDA that ``fork_rng(devices=[])``
     never undoes; CUDA is seeded (and restored) only where it is already initialised.
     """
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     devices = list(range(torch.cuda.device_count())) if cuda else []
+    numpy = sys.modules.get("numpy")
+    python_state, numpy_state = random.getstate(), numpy.random.get_state() if numpy else None
     with torch.random.fork_rng(devices=devices):
         torch.default_generator.manual_seed(seed)
         if cuda:
             torch.cuda.manual_seed_all(seed)
-        yield
+        random.seed(seed)
+        if numpy:
+            numpy.random.seed(seed % 2**32)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            if numpy:
+                numpy.random.set_state(numpy_state)
+
+
+def rng_fingerprint() -> tuple[Any, ...]:
+    """The states of every RNG :func:`seeded` seeds: equal before and after a block that drew nothing."""
+    numpy = sys.modules.get("numpy")
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return (bytes(torch.default_generator.get_state().numpy()),
+            tuple(bytes(s.numpy()) for s in torch.cuda.get_rng_state_all()) if cuda else (),
+            random.getstate(), numpy.random.get_state()[1].tobytes() if numpy else b"")
 
 
 @contextlib.contextmanager
@@ -59,7 +83,13 @@ def build_module(model: ModelLike) -> tuple[nn.Module, bool]:
     if isinstance(model, nn.Module):
         return model, False
     if callable(model):
-        built = model()
+        try:
+            built = model()
+        except Exception as err:
+            raise InputError(f"the model factory {getattr(model, '__qualname__', model)!r} raised "
+                             f"{type(err).__name__}: {err}. Fix: make it build the model when called with no "
+                             "arguments (pipecheck calls it under its seed, in every process that runs "
+                             "the model).") from err
         if isinstance(built, nn.Module):
             return built, True
         raise InputError(f"model factory {model!r} returned {type(built).__name__}, not an nn.Module. "
@@ -108,3 +138,31 @@ class ModelFactory:
     def on(self, device: str | torch.device) -> ModelFactory:
         """The same model, built on ``device`` (each rank builds on its own)."""
         return dataclasses.replace(self, device=device)
+
+
+def refuse_unreproducible(factory: ModelFactory) -> None:
+    """An InputError if ``factory`` builds different weights on two calls under the same seed.
+
+    Every process that runs the model builds its own copy under :func:`seeded`; a factory that
+    draws from ``os.urandom`` or a clock still gives each process other weights, and the pipeline then "fails" against an eager model it never held. A module (deep-
+    copied) is always reproducible; a factory is built twice only here, after a failure.
+    """
+    if isinstance(factory.source, nn.Module):
+        return
+    first, second = factory(), factory()
+    theirs = dict(second.state_dict(keep_vars=False))
+    for name, value in first.state_dict().items():
+        other = theirs.get(name)
+        same = isinstance(other, torch.Tensor) and other.shape == value.shape and other.dtype == value.dtype \
+            and bool(torch.equal(other, value) or (value.is_floating_point() and torch.equal(
+                other.nan_to_num(), value.nan_to_num())))
+        if not same:
+            raise InputError(
+                f"the model factory {getattr(factory.source, '__qualname__', factory.source)!r} builds "
+                f"different weights on each call ({name!r} differs between two calls under seed "
+                f"{factory.seed}), so the ranks' copies are not the eager model pipecheck checked against: "
+                "no pipeline can match it. pipecheck seeds torch's, numpy's and Python's RNGs; this one draws "
+                "from something else (os.urandom, random.SystemRandom, a clock, a file that changes?). Fix: "
+                "make it build the same weights on every call (draw from torch's RNG), or pass the built "
+                "module instead."
+            )

@@ -33,6 +33,13 @@ class Tolerance:
     rtol: float
     atol: float
 
+    def __post_init__(self) -> None:
+        bad = [f"{name}={value!r}" for name, value in (("rtol", self.rtol), ("atol", self.atol))
+               if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")]
+        if bad:  # a negative bound fails every element: a correct pipeline would be blamed
+            raise InputError(f"pc.Tolerance({', '.join(bad)}): rtol and atol must be finite numbers >= 0. "
+                             "Fix: e.g. pc.Tolerance(rtol=1e-5, atol=1e-6), or tolerance='auto'.")
+
     def __str__(self) -> str:
         return f"rtol {self.rtol:.1e} atol {self.atol:.1e}"
 
@@ -62,6 +69,7 @@ class Row:
     n_failing: int
     numel: int
     note: str = ""  # e.g. "missing", "shape differs", "not a tensor"
+    n_nan: int = 0  # elements where the runner has NaN and the reference a number
 
 
 def _failing_row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], note: str, tol: str) -> Row:
@@ -127,6 +135,7 @@ class _Diff:
         self.same = (test == ref) | (test.isnan() & ref.isnan())
         diff = (test - ref).abs().masked_fill_(self.same, 0.0)
         self.nan = diff.isnan()  # one side NaN: never within any bound
+        self.test_nan = self.nan & test.isnan()
         self.abs = diff.masked_fill_(self.nan, float("inf"))
 
     def failing(self, atol: float | torch.Tensor, rtol: float) -> torch.Tensor:
@@ -149,12 +158,13 @@ def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff
     worst_failing = torch.argmax(torch.where(failing, absolute, -1.0))
     numbers = torch.stack([absolute.max(), rel.max(), n_failing.to(torch.float64), worst_failing.to(torch.float64),
                            torch.argmax(absolute).to(torch.float64),
-                           atol if atol is not None else torch.zeros((), dtype=torch.float64, device=absolute.device)])
-    max_abs, max_rel, failing_count, flat_failing, flat_any, atol_value = numbers.tolist()
+                           atol if atol is not None else torch.zeros((), dtype=torch.float64, device=absolute.device),
+                           diff.test_nan.sum().to(torch.float64)])
+    max_abs, max_rel, failing_count, flat_failing, flat_any, atol_value, nan_count = numbers.tolist()
     flat = flat_failing if failing_count else flat_any
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), absolute.shape)) if absolute.dim() else ()
     return Row(name, tuple(stages), shape, failing_count == 0, max_abs, max_rel, tol(atol_value), index,
-               int(failing_count), absolute.numel())
+               int(failing_count), absolute.numel(), n_nan=int(nan_count))
 
 
 def nonfinite(value: torch.Tensor) -> bool:

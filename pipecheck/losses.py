@@ -112,8 +112,11 @@ class MicrobatchLoss:
             raise LossError(
                 f"loss_fn {_name(self.loss_fn)!r} raised {type(err).__name__}: {first} on micro-batch "
                 f"{microbatch} of {len(self.targets)} (outputs: {_describe(outputs)}; target: "
-                f"{_describe(target)}). Fix: make loss_fn(outputs, target) work on one micro-batch: "
-                "outputs and target are split on dim 0, so each call sees 1/n_microbatches of the batch."
+                f"{_describe(target)}). Fix: "
+                + ("no target was given, so loss_fn was called with target=None: pass target=... (split on dim 0 "
+                   "like the inputs), or make loss_fn ignore it." if target is None and not self.default else
+                   "make loss_fn(outputs, target) work on one micro-batch: outputs and target are split on dim 0, "
+                   "so each call sees 1/n_microbatches of the batch.")
             ) from err
         return check_scalar_loss(loss, self.loss_fn)
 

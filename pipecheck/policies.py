@@ -31,6 +31,12 @@ class Policy(Protocol):
     def __call__(self, units: Sequence[Unit], /) -> list[int]: ...
 
 
+def _positive_stage_count(policy: object, n_stages: object) -> None:
+    if not isinstance(n_stages, int) or isinstance(n_stages, bool) or n_stages < 1:
+        raise SplitError(f"{type(policy).__name__}(n_stages={n_stages!r}): the number of stages must be a positive "
+                         f"int. Fix: e.g. {type(policy).__name__}(2).")
+
+
 def _check_stage_count(n_stages: int, units: Sequence[Unit]) -> None:
     if n_stages > len(units):
         raise SplitError(
@@ -61,6 +67,9 @@ class balanced_params:  # noqa: N801 - reads as a function at the call site
 
     n_stages: int
 
+    def __post_init__(self) -> None:
+        _positive_stage_count(self, self.n_stages)
+
     def __call__(self, units: Sequence[Unit], /) -> list[int]:
         _check_stage_count(self.n_stages, units)
         weights = [u.params for u in units]
@@ -74,6 +83,9 @@ class balanced_nodes:  # noqa: N801
     """Cut into ``n_stages`` stages with about the same number of compute nodes."""
 
     n_stages: int
+
+    def __post_init__(self) -> None:
+        _positive_stage_count(self, self.n_stages)
 
     def __call__(self, units: Sequence[Unit], /) -> list[int]:
         _check_stage_count(self.n_stages, units)

@@ -24,7 +24,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runtime": ("_stage_step", "_reference", "_schedule_sim", "_schedule_data", "_schedule_generators",
                 "schedules", "_timeline", "_comm", "_runtime", "_torch_schedules", "_torch_rank",
                 "_deepspeed_layers", "_deepspeed_rank", "_titan_rank"),
-    "runners": ("_job", "_runners", "_distributed_runner", "_torch_runner", "_deepspeed_runner", "_titan_runner"),
+    "runners": ("_job", "_arguments", "_runners", "_distributed_runner", "_torch_runner", "_deepspeed_runner", "_titan_runner"),
     "check": ("_numerics", "_diagnose", "_eager", "_compare", "_report", "_check", "strategies", "engines"),
     "faces": ("__init__", "__main__", "_cli", "_cli_options", "_cli_zoo", "plugin"),
 }

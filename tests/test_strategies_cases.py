@@ -240,13 +240,17 @@ def test_check_appends_the_repro_to_a_raising_loss_fn_s_loss_error() -> None:
     assert "loss_fn=NotImplemented,  # <function" in str(info.value)  # a local: no source form
 
 
+def _policy_that_divides_by_zero(units: Any) -> list[int]:
+    return [len(units) // 0]
+
+
 def test_check_notes_the_repro_on_errors_outside_pipecheck() -> None:
     case = PipelineCase(TWO_LINEARS, {"l1": B})
-    with pytest.raises(RuntimeError) as info:  # torch's own refusal of a seed that is not a number
-        case.check(seed="zero")
+    with pytest.raises(ZeroDivisionError) as info:  # the user's own policy, raising
+        case.check(split_spec=None, policy=_policy_that_divides_by_zero)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "def test_pipeline_case()" in notes
-    assert "seed='zero'" in notes
+    assert "policy=" in notes
 
 
 def test_planted_tied_bug_is_found_shrunk_and_reproduced_by_the_printed_script(
