@@ -2,6 +2,7 @@
 
     pipecheck zoo                                                    # every zoo model x every runner
     pipecheck check my_models:make_model --inputs my_models:make_inputs --stages 2
+    pipecheck check my_models:make_model --inputs my_models:make_inputs -v          # every row
 
 Exit statuses follow pytest's (:data:`EXIT_STATUSES`). Every error is one message on
 stderr, ``pipecheck: <kind>: <what>. Fix: <how>``; ``--traceback`` (or
@@ -43,6 +44,7 @@ from pipecheck._errors import (
     first_line,
     plural,
 )
+from pipecheck._report import MAX_LINES, Report
 
 EXIT_STATUSES = {
     0: "every check matches eager",
@@ -52,6 +54,7 @@ EXIT_STATUSES = {
     4: "internal error: a bug in pipecheck, or its adapter to torch or an engine broken by their release",
 }
 DEBUG_ENV = "PIPECHECK_DEBUG"
+SEE_ALL = "rerun with -v to see every row"  # the last line of a report cut to MAX_LINES
 
 
 def classify(error: BaseException) -> tuple[int, str]:
@@ -119,12 +122,20 @@ def cmd_check(args: argparse.Namespace) -> int:
         cut["policy"] = pc.policies.balanced_params(args.stages)
     if not args.allow_single_stage:
         runner = refusing_single_stage(name, runner)
-    report = pc.assert_equivalent(factory, call_args, call_kwargs, runner=runner,
-                                  n_microbatches=args.n_microbatches, schedule=args.schedule,
-                                  dtype=dtype_option(args.dtype), device=device, tracer=args.tracer,
-                                  timeout=args.timeout, stages_per_rank=args.stages_per_rank, seed=args.seed,
-                                  **cut)
-    print(report)
+    max_lines = None if args.verbose else MAX_LINES
+    try:
+        report = pc.assert_equivalent(factory, call_args, call_kwargs, runner=runner,
+                                      n_microbatches=args.n_microbatches, schedule=args.schedule,
+                                      dtype=dtype_option(args.dtype), device=device, tracer=args.tracer,
+                                      timeout=args.timeout, stages_per_rank=args.stages_per_rank, seed=args.seed,
+                                      **cut)
+    except EquivalenceError as err:  # the verdict, on stdout like a passing report; -v: every row
+        failed = err.report
+        if not isinstance(failed, Report):  # raised by something other than the check: main prints it
+            raise
+        print(failed.text(None) if args.verbose else failed.failure_text(max_lines, SEE_ALL))
+        return 1
+    print(report.text(max_lines, SEE_ALL))
     return 0
 
 
@@ -221,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--stages-per-rank", type=at_least(1), default=1, metavar="N",
                        help="stages each rank holds (several: interleaved or looped schedules)")
     check.add_argument("--seed", type=int, default=0, help="seed of the model's weights and random inputs")
+    check.add_argument("-v", "--verbose", action="store_true",
+                       help=f"print every compared tensor's row (default: at most {MAX_LINES} lines, the failing "
+                       "rows that tell most)")
     common(check)
     check.set_defaults(func=cmd_check)
     return parser

@@ -75,6 +75,20 @@ def doubled_grads(job):
     return result
 
 
+def make_deep():
+    import torch.nn as nn
+
+    # 26 layers, 52 parameter tensors: a report longer than a screen
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(26)])
+
+
+def summed_grads(job):  # each micro-batch's loss not divided by n_microbatches
+    from pipecheck._runners import run_reference
+    result = run_reference(job)
+    result.grads = {name: job.n_microbatches * grad for name, grad in result.grads.items()}
+    return result
+
+
 def raising_runner(job):
     raise RuntimeError("my engine crashed")
 
@@ -226,6 +240,36 @@ def test_a_mismatch_exits_1_with_the_failure_table(user_dir: Path) -> None:
     assert first_line(result.stdout).startswith("pipecheck: runner 'doubled_grads' does not match eager (4 of 6 "
                                                 "tensors fail;")
     assert "grad block0.0.weight" in result.stdout
+
+
+DEEP = ["check", "models:make_deep", "--inputs", "models:make_inputs", "--stages", "4"]
+SCALING_HINT = ("  hint (52 rows: grad 0.weight ... grad 25.bias): gradient scaling: gradient is n_microbatches (=4) "
+                "times too large; each micro-batch's loss must be divided by n_microbatches")
+
+
+def test_a_long_mismatch_is_cut_to_40_lines_and_verbose_prints_every_row(user_dir: Path) -> None:
+    cut = run_cli([*DEEP, "--runner", "models:summed_grads"], user_dir)
+    assert cut.returncode == 1, cut.stderr
+    lines = cut.stdout.splitlines()
+    assert len(lines) == 40 and lines[1:3] == ["failing rows by kind:  outputs 0 of 1, loss 0 of 1, grads 52 of 52",
+                                               "failing rows by stage: 0: 14 of 14, 1: 12 of 12, 2: 14 of 14, "
+                                               "3: 12 of 14"]
+    assert lines[7] == SCALING_HINT
+    assert lines[-1].endswith(" of 52 failing rows left out: rerun with -v to see every row")
+    every = run_cli([*DEEP, "--runner", "models:summed_grads", "-v"], user_dir)
+    assert every.returncode == 1, every.stderr
+    names = [line.split("  ")[0] for line in every.stdout.splitlines()[4:] if not line.startswith("  hint")]
+    assert names == ["output", "loss"] + [f"grad {i}.{p}" for i in range(26) for p in ("weight", "bias")]
+    assert every.stdout.count("hint") == 1 and SCALING_HINT in every.stdout
+
+
+def test_a_long_match_prints_its_first_rows_and_verbose_every_row(user_dir: Path) -> None:
+    cut = run_cli([*DEEP, "--runner", "reference"], user_dir)
+    assert cut.returncode == 0, cut.stderr
+    assert cut.stdout.splitlines()[-1] == "... 19 of 54 rows left out (all match): rerun with -v to see every row"
+    every = run_cli([*DEEP, "--runner", "reference", "--verbose"], user_dir)
+    assert every.returncode == 0, every.stderr
+    assert len(every.stdout.splitlines()) == 2 + 2 + 54 and "left out" not in every.stdout
 
 
 def test_an_engine_error_exits_3(user_dir: Path) -> None:
