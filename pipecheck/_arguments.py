@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
+import operator
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,8 +35,30 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 48 and "\n" not in text else f"<{type(value).__name__}>"
 
 
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer, numpy's included (what ``operator.index`` takes), but not a bool."""
+    if _is_bool(value):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def plain(value: Any) -> Any:
+    """A numpy scalar as the Python number it is (validated arguments travel on as Python's own)."""
+    if _is_bool(value):
+        return bool(value)
+    if _is_int(value):
+        return operator.index(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, float):
+        return float(value)
+    return value
 
 
 def _positive_int(name: str, value: Any, problems: list[str], *, optional: bool = False) -> None:
@@ -64,7 +88,7 @@ def _check_model(model: Any, problems: list[str]) -> None:
         return
     needed = _required_parameters(model)
     if needed:
-        name = getattr(model, "__qualname__", None) or repr(model)
+        name = getattr(model, "__name__", None) or repr(model)
         what = "a class whose constructor" if isinstance(model, type) else "a factory that"
         problems.append(f"model={name} is {what} needs {', '.join(needed)}: pipecheck builds the model by "
                         f"calling model() with no arguments. Fix: pass a built module (model={name}(...)) or a "
@@ -72,26 +96,35 @@ def _check_model(model: Any, problems: list[str]) -> None:
 
 
 def _foreign_leaves(value: Any, where: str) -> list[str]:
-    """Inputs of a kind no tracer takes as a tensor: numpy arrays (named, with the conversion)."""
+    """Values of a kind torch does not take as a tensor: numpy arrays (named, with the conversion)."""
     found = []
     for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+        name = f"{where}{pytree.keystr(path)}"
         if isinstance(leaf, Replicated):
-            leaf = leaf.value
+            leaf, name = leaf.value, f"{name}.value"
         if type(leaf).__module__ == "numpy" and type(leaf).__name__ == "ndarray":
-            found.append(f"{where}{pytree.keystr(path)} is a numpy.ndarray; the model is traced with tensors. "
-                         f"Fix: pass torch.from_numpy({where}{pytree.keystr(path)}).")
+            found.append(f"{name} is a numpy.ndarray; pipecheck splits, traces and compares tensors. "
+                         f"Fix: pass torch.from_numpy({name}).")
     return found
 
 
-def _empty_batches(value: Any, where: str) -> list[str]:
-    """Tensors that would be split on an empty dim 0: a run that compares nothing."""
-    found = []
-    for path, leaf in pytree.tree_flatten_with_path(value)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == 0:
-            found.append(f"{where}{pytree.keystr(path)} has shape {tuple(leaf.shape)}: an empty batch (dim 0 is "
-                         "the batch), so there would be nothing to compare. Fix: pass at least one sample per "
-                         "micro-batch; wrap an input without a batch dimension in pc.Replicated(...).")
-    return found
+def _empty_batches(values: list[tuple[Any, str]], n_microbatches: Any) -> list[str]:
+    """Inputs split on an empty dim 0: nothing to compare if no input has a batch, and unsplittable
+    beside one that has (an empty input without a batch dimension is Replicated)."""
+    batched = [(f"{where}{pytree.keystr(path)}", leaf) for value, where in values
+               for path, leaf in pytree.tree_flatten_with_path(value)[0]
+               if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    empty = [(name, leaf) for name, leaf in batched if leaf.shape[0] == 0]
+    if not empty:
+        return []
+    if len(empty) == len(batched):
+        return [f"{name} has shape {tuple(leaf.shape)}: an empty batch (dim 0 is the batch), so there would be "
+                "nothing to compare. Fix: pass at least one sample per micro-batch." for name, leaf in empty]
+    if not _is_int(n_microbatches) or n_microbatches < 2:
+        return []  # one micro-batch: every input goes whole
+    return [f"{name} has shape {tuple(leaf.shape)}, an empty dim 0, beside inputs with a batch: it cannot be "
+            f"split into n_microbatches={n_microbatches}. Fix: if it has no batch dimension, pass it as "
+            "pc.Replicated(...): every micro-batch then gets it whole." for name, leaf in empty]
 
 
 def _check_mapping(name: str, value: Any, problems: list[str], example: str) -> None:
@@ -149,11 +182,12 @@ def check_arguments(
     _positive_int("n_microbatches", n_microbatches, problems)
     _positive_int("world_size", world_size, problems, optional=True)
     _positive_int("stages_per_rank", stages_per_rank, problems)
-    if not _is_int(seed):
-        problems.append(f"seed={_shown(seed)} must be an int. Fix: pass e.g. seed=0.")
-    if not isinstance(check_grads, bool):
-        problems.append(f"check_grads={_shown(check_grads)} must be True or False.")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+    if not _is_int(seed) or not -2**63 <= seed < 2**64:  # what torch.manual_seed takes
+        problems.append(f"seed={_shown(seed)} must be an int in [-2**63, 2**64). Fix: pass e.g. seed=0.")
+    if not _is_bool(check_grads):
+        problems.append(f"check_grads={_shown(check_grads)} must be True or False. Fix: check_grads=False to "
+                        "compare outputs and loss only.")
+    if timeout is not None and (_is_bool(timeout) or not isinstance(timeout, numbers.Real)
                                 or not math.isfinite(timeout) or timeout <= 0):
         problems.append(f"timeout={_shown(timeout)} must be a positive number of seconds. Fix: pass e.g. timeout=60, "
                         "or leave it out for the default.")
@@ -162,9 +196,10 @@ def check_arguments(
                         + (", or leave it out (a shared World is used)." if world_optional else "."))
     _check_trace_path(trace_path, problems)
     named_kwargs = dict(kwargs) if isinstance(kwargs, Mapping) else {}
-    for value, where in ((as_args(args), "args"), (named_kwargs, "kwargs"), (target, "target")):
+    values = [(as_args(args), "args"), (named_kwargs, "kwargs"), (target, "target")]
+    for value, where in values:
         problems += _foreign_leaves(value, where)
-        problems += _empty_batches(value, where)
+    problems += _empty_batches(values[:2], n_microbatches)
     if len(problems) == 1:
         raise InputError(f"{caller}: {problems[0]}")
     if problems:

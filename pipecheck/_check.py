@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from pipecheck._arguments import check_arguments
+from pipecheck._arguments import check_arguments, plain
 from pipecheck._compare import compare_all
 from pipecheck._eager import (
     buffers_kept,
@@ -102,6 +102,8 @@ def assert_equivalent(
                     policy=policy, loss_fn=loss_fn, target=target, n_microbatches=n_microbatches,
                     world_size=world_size, stages_per_rank=stages_per_rank, seed=seed, check_grads=check_grads,
                     timeout=timeout, world=world, trace_path=trace_path)
+    n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout = map(
+        plain, (n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout))
     runner_name, run = resolve_runner(runner)
     with _ONE_CHECK_AT_A_TIME:
         return _check(model, args, kwargs, split_spec, policy, loss_fn, target, n_microbatches, schedule,
@@ -174,7 +176,8 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
                     str(result_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings,
                     notes, pipe.tracer)
     if not report.ok:
-        refuse_unreproducible(factory)  # a factory that builds other weights each call: no runner can match
+        # a factory that builds other weights on each call: no runner can match, whatever the table says
+        refuse_unreproducible(factory, f"{len(report.failures)} of {len(report.rows)} tensors failed")
         raise EquivalenceError(report.failure_text(), report)
     return report
 

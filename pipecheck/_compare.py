@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 from pipecheck._diagnose import diagnose_grad, diagnose_output, dropped_skip_hint, matches
 from pipecheck._eager import output_name
+from pipecheck._errors import plural
 from pipecheck._job import Job
 from pipecheck._microbatch import split_microbatches
 from pipecheck._numerics import Row, ToleranceLike, compare
@@ -71,12 +72,12 @@ def nan_notes(rows: list[Row]) -> list[str]:
     else:
         last = max(max(row.stages, default=-1) for row in poisoned)
         on_it = [row.name for row in poisoned if last in row.stages]
-        first = (f"only in the backward (outputs and loss are numbers), first on stage {last}, the last stage "
-                 f"holding a NaN gradient ({', '.join(on_it[:3])}{' ...' if len(on_it) > 3 else ''}): the backward "
-                 "runs from the last stage to the first")
+        first = (f"only in the backward (outputs and loss are numbers), first on stage {last}, the highest-"
+                 f"numbered stage with a NaN gradient ({', '.join(on_it[:3])}{' ...' if len(on_it) > 3 else ''}): "
+                 "the backward runs from the last stage to the first")
     total = sum(row.n_nan for row in poisoned)
-    return [f"the runner produced NaN where eager has numbers: {total} elements in {len(poisoned)} "
-            f"{'row' if len(poisoned) == 1 else 'rows'} (shown as inf errors), {first}."]
+    return [f"the runner produced NaN where eager has numbers: {plural(total, 'element')} in "
+            f"{plural(len(poisoned), 'row')} (shown as inf errors), {first}."]
 
 
 def _consumers(pipe: Pipe, name: str) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecheck._arguments import check_arguments
+from pipecheck._arguments import check_arguments, plain
 from pipecheck._errors import InputError, plural
 from pipecheck._inputs import as_args
 from pipecheck._job import Job
@@ -115,6 +115,7 @@ def run_pipeline(world: World, model: Any, args: Sequence[Any] | Any, kwargs: Ma
                     loss_fn=loss_fn, target=target, n_microbatches=n_microbatches,
                     stages_per_rank=stages_per_rank, seed=seed, timeout=timeout,
                     world=world, world_optional=False, trace_path=trace_path)
+    n_microbatches, stages_per_rank, seed, timeout = map(plain, (n_microbatches, stages_per_rank, seed, timeout))
     job = Job(model=ModelFactory(model, seed=seed), args=as_args(args), kwargs=dict(kwargs or {}),
               split_spec=split_spec, policy=policy, tracer=tracer, loss_fn=loss_fn, target=target,
               n_microbatches=n_microbatches, schedule=schedule, world_size=world.world_size,

@@ -43,7 +43,7 @@ def bind_signature(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
     except TypeError as err:
         raise InputError(f"inputs do not fit {type(model).__name__}.forward{sig}: {err}. Fix: pass forward's "
                          f"parameters {list(sig.parameters)}: positional inputs in that order (args), any of them "
-                         "by name (kwargs); the CLI's --inputs function returns args, or (args, kwargs).") from None
+                         "by name (kwargs).") from None
 
 
 def as_args(args: Sequence[Any] | Any) -> tuple[Any, ...]:

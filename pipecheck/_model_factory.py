@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import operator
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ def seeded(seed: int) -> Iterator[None]:
     process. ``torch.manual_seed`` would also queue a lazy reseed of CUDA that ``fork_rng(devices=[])``
     never undoes; CUDA is seeded (and restored) only where it is already initialised.
     """
+    seed = operator.index(seed)  # a numpy integer too: Python's random takes only Python's
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     devices = list(range(torch.cuda.device_count())) if cuda else []
     numpy = sys.modules.get("numpy")
@@ -98,6 +100,18 @@ def build_module(model: ModelLike) -> tuple[nn.Module, bool]:
                      f"{type(model).__name__}.")
 
 
+def copy_module(model: nn.Module) -> nn.Module:
+    """A deep copy of the caller's module (never touched), or an InputError saying how to avoid one."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as err:
+        raise InputError(
+            f"{type(model).__name__} cannot be copied (copy.deepcopy raised {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); pipecheck checks a copy, never your module. Fix: "
+            "pass a zero-argument factory that builds it (model=lambda: MyModel(...)) instead of the module."
+        ) from err
+
+
 @dataclass(frozen=True)
 class ModelFactory:
     """Builds the model under test: seeded, deep-copied or freshly made, cast to dtype/device.
@@ -130,7 +144,7 @@ class ModelFactory:
         with seeded(self.seed):
             model, owned = build_module(self.source)
             if not owned:
-                model = copy.deepcopy(model)
+                model = copy_module(model)
         if self.dtype is not None or self.device is not None:
             model = cast_module(model, self.dtype, self.device)
         return model
@@ -140,29 +154,36 @@ class ModelFactory:
         return dataclasses.replace(self, device=device)
 
 
-def refuse_unreproducible(factory: ModelFactory) -> None:
+_LAZY = nn.parameter.UninitializedParameter
+
+
+def refuse_unreproducible(factory: ModelFactory, failed: str) -> None:
     """An InputError if ``factory`` builds different weights on two calls under the same seed.
 
     Every process that runs the model builds its own copy under :func:`seeded`; a factory that
-    draws from ``os.urandom`` or a clock still gives each process other weights, and the pipeline then "fails" against an eager model it never held. A module (deep-
-    copied) is always reproducible; a factory is built twice only here, after a failure.
+    draws from ``os.urandom`` or a clock still gives each process other weights, and the pipeline
+    then "fails" against an eager model it never held. A module (deep-copied) is always
+    reproducible; a factory is built twice only here, after a failure. Only initialised
+    parameters are compared: a buffer made with ``torch.empty`` that forward overwrites, or extra
+    state, may differ between builds and change nothing.
     """
     if isinstance(factory.source, nn.Module):
         return
     first, second = factory(), factory()
-    theirs = dict(second.state_dict(keep_vars=False))
-    for name, value in first.state_dict().items():
+    theirs = dict(second.named_parameters())
+    for name, value in first.named_parameters():
         other = theirs.get(name)
+        if isinstance(value, _LAZY) or isinstance(other, _LAZY):  # a lazy module, not yet run
+            continue
         same = isinstance(other, torch.Tensor) and other.shape == value.shape and other.dtype == value.dtype \
-            and bool(torch.equal(other, value) or (value.is_floating_point() and torch.equal(
-                other.nan_to_num(), value.nan_to_num())))
+            and bool(torch.equal(other.detach().nan_to_num(), value.detach().nan_to_num()))
         if not same:
             raise InputError(
                 f"the model factory {getattr(factory.source, '__qualname__', factory.source)!r} builds "
                 f"different weights on each call ({name!r} differs between two calls under seed "
-                f"{factory.seed}), so the ranks' copies are not the eager model pipecheck checked against: "
-                "no pipeline can match it. pipecheck seeds torch's, numpy's and Python's RNGs; this one draws "
-                "from something else (os.urandom, random.SystemRandom, a clock, a file that changes?). Fix: "
-                "make it build the same weights on every call (draw from torch's RNG), or pass the built "
-                "module instead."
+                f"{factory.seed}): the runner's copies (each rank builds its own) are not the eager model "
+                f"pipecheck checked against, so the check's verdict ({failed}) says nothing about the pipeline. "
+                "pipecheck seeds torch's, numpy's and Python's RNGs; this factory draws from something else "
+                "(os.urandom, random.SystemRandom, a clock, a file that changes?). Fix: make it build the same "
+                "weights on every call (draw from torch's RNG), or pass the built module instead."
             )

@@ -14,6 +14,7 @@ run like ``torch.testing``; ``"exact"`` demands bitwise equality with it.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,9 @@ class Tolerance:
 
     def __post_init__(self) -> None:
         bad = [f"{name}={value!r}" for name, value in (("rtol", self.rtol), ("atol", self.atol))
-               if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")]
+               if isinstance(value, bool) or type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+               or not isinstance(value, numbers.Real)
+               or not 0 <= value < float("inf")]
         if bad:  # a negative bound fails every element: a correct pipeline would be blamed
             raise InputError(f"pc.Tolerance({', '.join(bad)}): rtol and atol must be finite numbers >= 0. "
                              "Fix: e.g. pc.Tolerance(rtol=1e-5, atol=1e-6), or tolerance='auto'.")

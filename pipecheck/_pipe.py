@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from pipecheck._errors import SplitError, plural
 from pipecheck._inputs import as_args
 from pipecheck._markers import PIPE_SPLIT_OP, is_marker
-from pipecheck._model_factory import ModelLike, build_module
+from pipecheck._model_factory import ModelLike, build_module, copy_module
 from pipecheck._trace import check_tracer, trace
 from pipecheck._traced import SplitSpec, Traced, normalize_split_spec
 from pipecheck.policies import Policy, Unit, validate_cuts
@@ -349,7 +349,7 @@ def split(model: ModelLike, args: Sequence[Any] | Any, kwargs: Mapping[str, Any]
     """
     check_tracer(tracer)
     built, owned = build_module(model)
-    return split_module(built if owned else copy.deepcopy(built), args, kwargs, split_spec=split_spec,
+    return split_module(built if owned else copy_module(built), args, kwargs, split_spec=split_spec,
                         policy=policy, tracer=tracer)
 
 

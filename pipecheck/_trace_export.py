@@ -24,14 +24,21 @@ from pipecheck._inputs import bind_signature
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
 from pipecheck._microbatch import unwrap_replicated
 from pipecheck._torch_warnings import torch_internal_warnings_ignored
-from pipecheck._traced import Traced, resolve, try_resolve, unused_spec
+from pipecheck._traced import (
+    Traced,
+    resolve,
+    state_assigned_error,
+    state_kept,
+    try_resolve,
+    unused_spec,
+)
 
 
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint]) -> Traced:
     dynamic_shapes = _batch_dynamic_shapes(bind_signature(model, args, kwargs))  # Replicated: static
     args, kwargs = unwrap_replicated((args, kwargs))
     try:
-        with functions_in_export() as functions, torch_internal_warnings_ignored():
+        with state_kept(model) as assigned, functions_in_export() as functions, torch_internal_warnings_ignored():
             exported = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as err:  # export raises many kinds; the message names the construct
         first = first_line(err)
@@ -39,6 +46,8 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             f"torch.export could not trace {type(model).__name__}: {type(err).__name__}: {first}\n"
             "Fix: remove data-dependent control flow from forward, or try tracer='fx'."
         ) from None
+    if assigned:  # a buffer made on the first call: export leaves a fake tensor in its place
+        raise state_assigned_error("torch.export", model, assigned, "")
     gm = functions_as_calls(exported.module())
     graph = gm.graph
     functions.refuse_lost(model, graph)

@@ -12,12 +12,11 @@ call node, so its own backward runs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import os
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,15 @@ from pipecheck._errors import InputError, TraceError
 from pipecheck._inputs import bind_signature
 from pipecheck._markers import SplitPoint, _active_fx_tracer, pipe_split, torch_markers_recorded
 from pipecheck._microbatch import unwrap_replicated
-from pipecheck._traced import Traced, has_tensor, resolve, unknown_output_error, unused_spec
+from pipecheck._traced import (
+    Traced,
+    has_tensor,
+    resolve,
+    state_assigned_error,
+    state_kept,
+    unknown_output_error,
+    unused_spec,
+)
 
 
 @dataclass(frozen=True)
@@ -153,10 +160,8 @@ def trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], sp
     tracer = _SplitTracer(split_spec, _root_call(bound, set(inputs)))
     _active_fx_tracer.append(tracer)
     try:
-        with _attributes_kept(model) as assigned:
+        with state_kept(model, drop=fx.Proxy) as assigned:
             graph = tracer.trace(model)
-        if assigned:
-            raise _AssignsAttributes(assigned)
     except Exception as err:  # fx raises many kinds; the message names the construct
         raise TraceError(
             f"torch.fx could not trace {type(model).__name__}: {type(err).__name__}: {err}{_where(err)}\n"
@@ -165,6 +170,9 @@ def trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], sp
         ) from None
     finally:
         _active_fx_tracer.pop()
+    if assigned:  # fx ran forward on Proxies and recorded none of these assignments
+        raise state_assigned_error("torch.fx", model, assigned, "tracer='export' records updates in place "
+                                   "(`self.buf += x` under no_grad)")
     unused_spec(split_spec, tracer.called, "fx")
     unknown = _unknown_output_classes(graph)
     if unknown:  # fx builds a dataclass in the graph; pytree, which splits and compares, cannot open it
@@ -193,46 +201,6 @@ def _unknown_output_classes(graph: fx.Graph) -> list[str]:
 
     fx.node.map_arg(output.args, visit)
     return sorted(found)
-
-
-@contextlib.contextmanager
-def _attributes_kept(model: nn.Module) -> Iterator[list[str]]:
-    """Trace ``model``, put back every attribute, parameter and buffer forward assigned to, and list
-    the parameters and buffers among them.
-
-    fx runs ``forward`` on Proxies: ``self.buf += x`` assigns a Proxy to the buffer, and the module
-    would be left holding it (its next eager call then fails, or stops updating the buffer), while
-    the graph keeps no record of the assignment. The caller refuses such a trace. What fx itself
-    adds to the root (``_tensor_constant0``, ...) stays: the graph reads it.
-    """
-    saved = [(name, module, dict(module.__dict__), {key: dict(module.__dict__[key]) for key in _STATE})
-             for name, module in model.named_modules()]
-    assigned: list[str] = []
-    try:
-        yield assigned
-    finally:
-        for name, module, attributes, registries in saved:
-            for key, entries in registries.items():  # state: put back, and named
-                registry = module.__dict__[key]
-                changed = [attr for attr, value in registry.items() if entries.get(attr, _MISSING) is not value]
-                assigned += [f"{name}.{attr}" if name else attr for attr in changed]
-                registry.clear()
-                registry.update(entries)
-            for attr, value in list(module.__dict__.items()):  # plain attributes: put back, Proxies dropped
-                if attr in attributes and attributes[attr] is not value:
-                    module.__dict__[attr] = attributes[attr]
-                elif attr not in attributes and isinstance(value, fx.Proxy):
-                    del module.__dict__[attr]
-
-
-_MISSING = object()
-_STATE = ("_parameters", "_buffers")
-
-
-class _AssignsAttributes(Exception):
-    def __init__(self, names: list[str]) -> None:
-        super().__init__(f"forward assigns to {', '.join('self.' + n for n in sorted(set(names)))} (e.g. "
-                         "`self.buf += x`), which a torch.fx graph cannot record")
 
 
 def _where(err: BaseException) -> str:

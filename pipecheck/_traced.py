@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._errors import SplitError
+from pipecheck._errors import SplitError, TraceError
 from pipecheck._markers import SplitPoint
 from pipecheck._microbatch import unwrap_replicated
 
@@ -96,4 +97,49 @@ def unknown_output_error(model: nn.Module, classes: list[str]) -> SplitError:
         "micro-batches and compared). Fix: return a tuple, dict or NamedTuple of tensors, or register the class: "
         "torch.utils._pytree.register_dataclass for a dataclass, torch.utils._pytree.register_pytree_node "
         "otherwise (flatten to its tensors, unflatten back)."
+    )
+
+
+@contextlib.contextmanager
+def state_kept(model: nn.Module, drop: type | None = None) -> Iterator[list[str]]:
+    """Trace ``model``, put back every parameter, buffer and attribute forward assigned or
+    registered, and list the parameters and buffers among them (``"fqn.name"``).
+
+    A tracer runs ``forward`` on stand-ins (fx Proxies, export's fake tensors): ``self.buf += x``
+    or a buffer registered on the first call would leave one in the module, whose next eager call
+    then fails or stops updating the buffer. New plain attributes of class ``drop`` (fx's Proxies)
+    are removed; others (fx's ``_tensor_constant0``) stay: the graph reads them.
+    """
+    saved = [(name, module, dict(module.__dict__), {key: dict(module.__dict__[key]) for key in _STATE})
+             for name, module in model.named_modules()]
+    assigned: list[str] = []
+    try:
+        yield assigned
+    finally:
+        for name, module, attributes, registries in saved:
+            for key, entries in registries.items():
+                registry = module.__dict__[key]
+                assigned += [f"{name}.{attr}" if name else attr for attr, value in registry.items()
+                             if entries.get(attr, _MISSING) is not value]
+                registry.clear()
+                registry.update(entries)
+            for attr, value in list(module.__dict__.items()):
+                if attr in attributes and attributes[attr] is not value:
+                    module.__dict__[attr] = attributes[attr]
+                elif attr not in attributes and drop is not None and isinstance(value, drop):
+                    del module.__dict__[attr]
+
+
+_MISSING = object()
+_STATE = ("_parameters", "_buffers")
+
+
+def state_assigned_error(tracer: str, model: nn.Module, assigned: list[str], other_way: str) -> TraceError:
+    """The refusal of a trace during which forward assigned or registered parameters or buffers."""
+    names = ", ".join(f"self.{name}" for name in sorted(set(assigned)))
+    return TraceError(
+        f"{tracer} could not trace {type(model).__name__}: forward assigns or registers {names} while it runs "
+        "(`self.buf = ...`, `self.buf += x`, or a buffer registered on the first call), and a graph cannot record "
+        "that. Fix: register every buffer in __init__ and update it in place (self.buf.add_(x))"
+        + (f"; or {other_way}." if other_way else ".")
     )

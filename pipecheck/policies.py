@@ -11,6 +11,7 @@ uses first; the result lists the unit indices where a new stage begins
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,7 +33,11 @@ class Policy(Protocol):
 
 
 def _positive_stage_count(policy: object, n_stages: object) -> None:
-    if not isinstance(n_stages, int) or isinstance(n_stages, bool) or n_stages < 1:
+    try:
+        count = operator.index(n_stages)  # type: ignore[arg-type]
+    except TypeError:
+        count = 0
+    if isinstance(n_stages, bool) or count < 1:
         raise SplitError(f"{type(policy).__name__}(n_stages={n_stages!r}): the number of stages must be a positive "
                          f"int. Fix: e.g. {type(policy).__name__}(2).")
 

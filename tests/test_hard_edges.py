@@ -77,6 +77,32 @@ def test_a_reproducible_factory_that_fails_is_still_an_equivalence_error() -> No
         _check(TwoLayers, runner=halves_grads)
 
 
+class ScratchBuffer(TwoLayers):
+    """A buffer made with torch.empty that forward never reads: other bytes on each build, same model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scratch", torch.empty(1000))
+
+
+def _outputs_off_by_one_percent(job: pc.Job) -> pc.StepResult:
+    result = run_reference(job)
+    result.outputs = result.outputs * 1.01
+    return result
+
+
+def test_a_factory_whose_weights_are_reproducible_keeps_its_failure_table() -> None:
+    with pytest.raises(pc.EquivalenceError, match="does not match eager"):
+        _check(ScratchBuffer, runner=_outputs_off_by_one_percent)
+
+
+def test_a_module_that_cannot_be_deep_copied_says_to_pass_a_factory() -> None:
+    model = TwoLayers()
+    model.b = torch.nn.utils.weight_norm(model.b)  # the old weight_norm: its hook refuses deepcopy
+    with pytest.raises(pc.InputError, match="cannot be copied .*Fix: pass a zero-argument factory"):
+        _check(model)
+
+
 def test_a_raising_factory_is_named_with_its_error_as_the_cause() -> None:
     def make() -> nn.Module:
         raise FileNotFoundError("weights.pt")
@@ -133,8 +159,21 @@ def test_randomness_a_few_ulps_deep_is_refused_as_randomness(model: type[nn.Modu
     assert np.array_equal(np.random.get_state()[1], state[2])
 
 
-def test_a_model_that_draws_but_does_not_depend_on_the_draw_is_checked() -> None:
-    assert _check(DropoutOfZero).ok
+class ShuffleBatchNorm(nn.Module):
+    """MoCo's shuffle-BN: a random permutation, undone after the BatchNorm; the draw only reorders a sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = torch.randperm(x.shape[0])
+        return self.b(self.bn(self.a(x)[order])[torch.argsort(order)])
+
+
+@pytest.mark.parametrize("model", [DropoutOfZero, ShuffleBatchNorm], ids=lambda m: m.__name__)
+def test_a_model_that_draws_but_whose_values_do_not_depend_on_the_draw_is_checked(model: type[nn.Module]) -> None:
+    assert _check(model, (torch.randn(16, 4),)).ok
 
 
 # --- outputs a tracer can build but pytree cannot open ---------------------------------------------
@@ -220,9 +259,28 @@ def test_a_buffer_assigned_in_forward_is_traced_by_export_and_compared() -> None
 
 def test_fx_names_the_buffer_it_cannot_record_and_leaves_the_module_as_it_was() -> None:
     model = CountsInputs()
-    with pytest.raises(pc.TraceError, match=r"forward assigns to self\.seen"):
+    with pytest.raises(pc.TraceError, match=r"forward assigns or registers self\.seen"):
         pc.split(model, (X,), split_spec=CUT, tracer="fx")
     assert type(model._buffers["seen"]) is torch.Tensor
+
+
+class CachesOnFirstCall(TwoLayers):
+    """The old rotary-embedding pattern: a buffer registered on the first forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "cache" not in self._buffers:
+            self.register_buffer("cache", torch.ones(4), persistent=False)
+        return super().forward(x * self.cache)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_buffer_registered_on_the_first_call_is_refused_and_the_module_left_as_it_was(tracer: str) -> None:
+    model = CachesOnFirstCall()
+    with pytest.raises(pc.TraceError) as info:
+        pc.split(model, (X,), split_spec=CUT, tracer=tracer)
+    assert "forward assigns or registers self.cache while it runs" in str(info.value)
+    assert "Fix: register every buffer in __init__" in str(info.value)
+    assert "cache" not in model._buffers
 
 
 # --- threads, NaN, a loss that needs a target -------------------------------------------------------
@@ -327,3 +385,21 @@ def test_a_check_leaves_a_generated_model_and_its_inputs_exactly_as_they_were(ca
     except pc.InputError:  # a generated case pipecheck refuses (e.g. random): nothing must change either
         pass
     assert _same(_state(model, args, kwargs), before)
+
+
+# --- arguments that are fine ------------------------------------------------------------------------
+
+class AddsAPrefix(TwoLayers):
+    def forward(self, x: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + prefix.sum()
+
+
+def test_an_empty_input_beside_a_batch_goes_whole_to_one_micro_batch() -> None:
+    assert _check(AddsAPrefix(), (X, torch.zeros(0)), n_microbatches=1).ok
+
+
+def test_numpy_scalars_are_numbers_like_any_other() -> None:
+    report = _check(TwoLayers, seed=np.int64(3), n_microbatches=np.int64(2), timeout=np.float32(30),
+                    check_grads=np.bool_(True), tolerance=pc.Tolerance(np.float32(1e-5), np.float32(1e-6)),
+                    split_spec=None, policy=pc.policies.balanced_params(np.int64(2)))
+    assert report.ok and report.num_stages == 2
