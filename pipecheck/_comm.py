@@ -8,7 +8,8 @@
 Every message has its own tag (channel, micro-batch, direction, leaf), so
 messages never match the wrong receive whatever order ranks run in. A value's
 layout (pytree structure, shapes, dtypes, requires_grad, non-tensor leaves) is
-sent on the channel's first use and cached on both sides (for the life of the
+sent on the channel's first use (pickled, with an HMAC tag under the World's
+key, checked before it is unpickled) and cached on both sides (for the life of the
 Links, so repeated steps skip it); again with every micro-batch only when the
 value holds non-tensor leaves. Once a layout is known, the receives of a later
 action can be posted ahead of time (``post_value`` / ``post_grads``) and
@@ -20,6 +21,8 @@ requires grad gets a tensor (zeros where the consumer produced none).
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +35,7 @@ from pipecheck._errors import EngineError
 from pipecheck._pipe import Pipe
 from pipecheck._stage_step import LeafGrads
 
+_TAG_BYTES = 32  # HMAC-SHA256 of a layout's pickle, before it
 LEAF_SLOTS = 64  # tags reserved per message: 0 = layout size, 1 = layout bytes, 2.. = tensor leaves
 
 
@@ -78,8 +82,9 @@ class Links:
     """The p2p channels of one rank, for one step."""
 
     def __init__(self, pipe: Pipe, stage_to_rank: tuple[int, ...], device: torch.device,
-                 comm_device: torch.device) -> None:
+                 comm_device: torch.device, secret: bytes = b"") -> None:
         self.stage_to_rank = stage_to_rank
+        self.secret = secret  # the World's key (a torchrun job's ranks share none: integrity only)
         self.device = device
         self.comm_device = comm_device
         channels = sorted({(e.src, e.name, e.dst) for e in pipe.edges if e.src is not None},
@@ -88,6 +93,23 @@ class Links:
         self.layouts: dict[int, Layout] = {}  # received, by channel id; kept across steps
         self.sent_layouts: dict[int, Layout] = {}
         self.pending: list[Any] = []
+
+    def signed(self, blob: bytes) -> bytes:
+        return hmac.new(self.secret, blob, hashlib.sha256).digest() + blob
+
+    def verified(self, payload: bytes, channel: Channel, src: int) -> bytes:
+        """The pickle in ``payload`` if its tag is this World's, checked before anything is unpickled:
+        a process outside the World that connects to a rank's port cannot make it run code."""
+        tag, blob = payload[:_TAG_BYTES], payload[_TAG_BYTES:]
+        if not hmac.compare_digest(tag, hmac.new(self.secret, blob, hashlib.sha256).digest()):
+            producer, name, consumer = channel
+            raise EngineError(
+                f"the layout of value {name!r} (stage {producer} to stage {consumer}), received from rank {src}, "
+                "failed authentication: it was not sent by a rank of this World, and was not unpickled. Another "
+                "process reached this rank's port. Fix: run pipecheck where other users cannot connect to its "
+                "ranks' ports, or find the process that did."
+            )
+        return blob
 
     def _tag(self, channel: Channel, mb: int, backward: bool, slot: int) -> int:
         cid = self.channel_ids[channel]
@@ -118,7 +140,7 @@ class Links:
         else:
             layout = layout_of(value)
             self.sent_layouts[cid] = layout
-            payload = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
+            payload = torch.frombuffer(bytearray(self.signed(pickle.dumps(layout))), dtype=torch.uint8)
             self._isend(torch.tensor([payload.numel()], dtype=torch.int64), dst, self._tag(channel, mb, False, 0))
             self._isend(payload, dst, self._tag(channel, mb, False, 1))
         for i, tensor in enumerate(tensors):
@@ -159,7 +181,7 @@ class Links:
             dist.recv(size, src, tag=self._tag(channel, mb, False, 0))
             payload = torch.empty((int(size.item()),), dtype=torch.uint8, device=self.comm_device)
             dist.recv(payload, src, tag=self._tag(channel, mb, False, 1))
-            self.layouts[cid] = pickle.loads(bytes(payload.cpu().tolist()))  # small; no numpy needed
+            self.layouts[cid] = pickle.loads(self.verified(bytes(payload.cpu().tolist()), channel, src))
         layout = self.layouts[cid]
         posted = Posted(layout=layout)
         slot = 2

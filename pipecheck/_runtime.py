@@ -121,7 +121,7 @@ class StageExecutor:
         self.schedule = spec.schedule
         self.pipe = spec.split_on(ctx.device)
         self.stage_to_rank = spec.schedule.stage_to_rank
-        self.links = Links(self.pipe, self.stage_to_rank, ctx.device, ctx.comm_device)
+        self.links = Links(self.pipe, self.stage_to_rank, ctx.device, ctx.comm_device, ctx.secret)
         n = spec.schedule.n_microbatches
         self.n_microbatches = n
         inputs = cast_inputs(self.pipe.bind_inputs(spec.args, spec.kwargs), None, ctx.device)

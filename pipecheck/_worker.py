@@ -58,6 +58,7 @@ class WorkerConfig:
     kill_with_parent: bool  # PR_SET_PDEATHSIG; only safe when the starting thread lives as long as the process
     threads: int  # intra-op threads of this rank (torch.set_num_threads)
     environ: dict[str, str]  # the driver's environment when the rank started (a forkserver has an older one)
+    secret: bytes = b""  # the World's key: what a rank unpickles from a peer must carry its tag
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,7 @@ class RankContext:
     stage: int | None = None
     action: str | None = None
     board: StageBoard | None = field(default=None, repr=False, compare=False)
+    secret: bytes = field(default=b"", repr=False, compare=False)  # the World's message key (see _comm)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -198,17 +200,27 @@ def any_rank(ctx: RankContext, this_rank: bool) -> bool:
     return bool(flag.item() > 0)
 
 
-def _orphaned(parent_pid: int, driver_pid: int) -> bool:
-    """The process that started this rank (the driver, or its forkserver) or the driver is gone."""
-    if os.getppid() != parent_pid:
-        return True
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited: no such process, or a zombie its parent has not reaped yet
+    (a SIGKILLed driver whose own parent is busy is one; ``kill(pid, 0)`` still finds it)."""
     try:
-        os.kill(driver_pid, 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
+    except (OverflowError, ValueError):
+        return True  # no process has such a pid
     except OSError:
         pass  # alive, and not ours to signal
-    return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as status:  # "pid (comm) S ...": the state follows the last ')'
+            return status.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False  # no /proc (not Linux): kill's answer stands
+
+
+def _orphaned(parent_pid: int, driver_pid: int) -> bool:
+    """The process that started this rank (the driver, or its forkserver) or the driver is gone."""
+    return os.getppid() != parent_pid or process_gone(driver_pid)
 
 
 def _exit_when_orphaned(parent_pid: int, driver_pid: int) -> None:
@@ -275,6 +287,7 @@ def _join_world(config: WorkerConfig, board: StageBoard) -> RankContext:
         group=dist.group.WORLD,
         threads=config.threads,
         board=board,
+        secret=config.secret,
     )
 
 

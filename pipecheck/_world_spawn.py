@@ -16,10 +16,10 @@ import itertools
 import multiprocessing
 import os
 import pickle
+import secrets
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -50,13 +50,13 @@ from pipecheck._worker import (
     send,
     worker_main,
 )
+from pipecheck._world_tempdirs import make_tmpdir, sweep_stale_tmpdirs
 
 FAULT_GRACE_S = 0.5  # after a first fault, how long to collect the other ranks' reports
 STACK_WAIT_S = 3.0  # how long ranks get to write their stacks after SIGUSR1
 SHUTDOWN_GRACE_S = 3.0  # close(): time to leave the process group before SIGTERM
 KILL_GRACE_S = 1.0  # time between SIGTERM and SIGKILL
 RESTART_NOTE = "The world's processes were stopped; the next run() starts fresh ones."
-TMPDIR_PREFIX = "pipecheck-world-"  # then the driver's pid: pipecheck-world-1234-abcd
 RANK_NAME = "pipecheck-rank"  # then the rank: the process name of a spawned rank
 # A spawned rank that finds itself starting ranks while it imports the user's script (no main guard)
 # exits with this status, silently; the driver then raises one message for all ranks.
@@ -127,21 +127,6 @@ def process_context() -> Any:  # a SpawnContext or ForkServerContext
     if method == "forkserver":
         context.set_forkserver_preload(["pipecheck._worker"])  # torch, imported once in the server
     return context
-
-
-def sweep_stale_tmpdirs() -> None:
-    """Remove the temporary directories of worlds whose driver was killed (no close() ran)."""
-    root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        driver = name[len(TMPDIR_PREFIX) :].split("-", 1)[0]
-        if not (name.startswith(TMPDIR_PREFIX) and driver.isdigit()):
-            continue
-        try:
-            os.kill(int(driver), 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        except OSError:
-            pass  # alive, but someone else's
 
 
 def _where(stage: int | None, action: str | None) -> str:
@@ -249,12 +234,13 @@ class SpawnedRanks:
         spawn = process_context()
         n = self.properties.world_size
         sweep_stale_tmpdirs()
-        self.tmpdir = tempfile.mkdtemp(prefix=f"{TMPDIR_PREFIX}{os.getpid()}-")
+        self.tmpdir = make_tmpdir()
         self.board = StageBoard(n, spawn)
         # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: a forkserver's
         # only thread lives as long as the server; a spawning thread must be the main thread.
         in_main_thread = threading.current_thread() is threading.main_thread()
         kill_with_parent = in_main_thread or spawn.get_start_method() == "forkserver"
+        secret = secrets.token_bytes(32)  # travels in the pickled config, never through the store or argv
         try:
             for rank in range(n):
                 config = WorkerConfig(
@@ -269,6 +255,7 @@ class SpawnedRanks:
                     kill_with_parent=kill_with_parent,
                     threads=self.properties.threads_per_rank,
                     environ=dict(os.environ),
+                    secret=secret,
                 )
                 driver_end, worker_end = spawn.Pipe()
                 proc = spawn.Process(

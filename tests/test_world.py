@@ -25,7 +25,7 @@ from pipecheck._errors import (
     WorldStartError,
 )
 from pipecheck._world import World
-from pipecheck._world_spawn import TMPDIR_PREFIX, sweep_stale_tmpdirs
+from pipecheck._world_tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
 
 # Spawned ranks unpickle jobs by module name; they inherit this sys.path, so
 # `_world_jobs` imports there too, whatever pytest's import mode.
@@ -289,7 +289,7 @@ DRIVER_SCRIPT = """
 import sys, threading, time
 import _world_jobs as jobs
 from pipecheck._world import World
-from pipecheck._world_spawn import TMPDIR_PREFIX, sweep_stale_tmpdirs
+from pipecheck._world_tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
 
 def start(holder):
     holder["world"] = World(2, timeout=60, start_timeout=60)
@@ -333,7 +333,7 @@ TORCHRUN_SCRIPT = """
 import os
 from pipecheck._errors import RankFailedError
 from pipecheck._world import World
-from pipecheck._world_spawn import TMPDIR_PREFIX, sweep_stale_tmpdirs
+from pipecheck._world_tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
 import _world_jobs as jobs
 
 world = World.from_env(timeout=60)

@@ -1,0 +1,129 @@
+"""World hygiene against other local users and dead drivers: temp folders parsed defensively and
+owned per user, layouts unpickled only under the World's key, a zombie driver counted as dead."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pipecheck as pc
+from pipecheck._comm import Links, layout_of
+from pipecheck._worker import process_gone
+from pipecheck._world_tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
+
+CPU = torch.device("cpu")
+
+
+def test_odd_and_foreign_temp_folders_never_stop_a_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    odd = [f"{TMPDIR_PREFIX}99999999999999999999-x", f"{TMPDIR_PREFIX}-x", f"{TMPDIR_PREFIX}12a-x"]
+    for name in odd:
+        (tmp_path / name).mkdir()
+    (tmp_path / f"{TMPDIR_PREFIX}4194305-file").write_text("not a folder")  # a pid above pid_max, as a file
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{TMPDIR_PREFIX}{dead.pid}-abcd"
+    stale.mkdir()
+    sweep_stale_tmpdirs()  # raised OverflowError on the first name
+    assert not stale.exists()  # ours, and its driver is gone
+    assert all((tmp_path / name).exists() for name in odd)
+    assert (tmp_path / f"{TMPDIR_PREFIX}4194305-file").exists()
+
+
+def test_another_user_s_stale_folder_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    theirs = tmp_path / f"{TMPDIR_PREFIX}4194305-abcd"
+    theirs.mkdir()
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(theirs).st_uid + 1)
+    sweep_stale_tmpdirs()
+    assert theirs.exists()
+
+
+def test_a_zombie_driver_is_dead() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while not process_gone(child.pid):  # exited and not reaped: a zombie, which kill(pid, 0) still finds
+        assert time.monotonic() < deadline, "the exited child was never seen as gone"
+        time.sleep(0.05)
+    os.kill(child.pid, 0)  # the zombie is still there ...
+    child.wait()  # ... until reaped
+    assert process_gone(child.pid)
+    assert not process_gone(os.getpid())
+    assert process_gone(2**40)  # no such pid: never an OverflowError
+
+
+class _Planted:
+    """Unpickling this sets a flag: what a forged layout could do to a rank if it were unpickled."""
+
+    ran = False
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_plant, ())
+
+
+def _plant() -> None:
+    _Planted.ran = True
+
+
+def _links(secret: bytes) -> Links:
+    pipe = pc.split(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), (torch.randn(2, 4),),
+                    split_spec={"1": pc.SplitPoint.BEGINNING})
+    return Links(pipe, (0, 1), CPU, CPU, secret)
+
+
+def test_a_layout_without_the_world_s_tag_is_refused_before_it_is_unpickled() -> None:
+    receiver = _links(b"k" * 32)
+    channel = next(iter(receiver.channel_ids))
+    for forged in (b"\0" * 32 + pickle.dumps(_Planted()), _links(b"other key").signed(pickle.dumps(_Planted())),
+                   b"garbage"):
+        with pytest.raises(pc.EngineError, match="failed authentication: it was not sent by a rank of this World"):
+            receiver.verified(forged, channel, 0)
+    assert not _Planted.ran
+    layout = pickle.dumps(layout_of(torch.zeros(2, 4)))
+    assert receiver.verified(_links(b"k" * 32).signed(layout), channel, 0) == layout
+
+
+def test_ranks_of_a_world_share_its_key_and_run_the_pipeline() -> None:
+    report = pc.assert_equivalent(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), (torch.randn(4, 4),),
+                                  split_spec={"1": pc.SplitPoint.BEGINNING}, n_microbatches=2)
+    assert report.ok
+
+
+DRIVER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import _world_jobs
+import pipecheck as pc
+
+if __name__ == "__main__":
+    with pc.World(2, start_timeout=120) as world:
+        print(*world.run(_world_jobs.pid), flush=True)
+        time.sleep(600)
+"""
+
+
+def test_ranks_exit_when_their_driver_is_killed_and_left_a_zombie(tmp_path: Path) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        ranks = [int(pid) for pid in driver.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(ranks) == 2
+        driver.kill()  # SIGKILL, and not reaped: the driver stays a zombie while we look
+        deadline = time.monotonic() + 30
+        while not all(process_gone(pid) for pid in ranks):
+            assert time.monotonic() < deadline, f"ranks {ranks} outlived their zombie driver"
+            time.sleep(0.1)
+        assert driver.poll() is None or driver.returncode == -9  # poll() reaps it: only now
+    finally:
+        driver.kill()
+        driver.wait(timeout=30)
