@@ -30,16 +30,18 @@ import faulthandler
 import multiprocessing.util  # noqa: F401 - import before atexit.register below, see _close_live_worlds
 import os
 import pickle
+import signal
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from pipecheck._errors import TaskPickleError, WorldError
 from pipecheck._worker import RankContext, TaskCall, TaskFailed, WorldProperties, run_call
-from pipecheck._world_spawn import Fault, SpawnedRanks, fault_error
+from pipecheck._world_faults import Fault, fault_error
+from pipecheck._world_spawn import SpawnedRanks
 
 __all__ = ["RankContext", "World", "WorldProperties"]
 
@@ -157,9 +159,9 @@ class _TorchrunRank:
         backend = str(dist.get_backend())  # whatever the user initialised, if they did
         comm = local if backend == "nccl" else torch.device("cpu")
         # Results travel through a gloo group so gathering them never touches a GPU.
-        self.control: Any = (
-            dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-        )
+        self.control: dist.ProcessGroup | None = cast(  # new_group's type allows a non-member's
+            dist.ProcessGroup, dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        )  # sentinel too; every rank is a member
         self.ctx = RankContext(rank, world_size, local, backend, comm, dist.group.WORLD, threads)
         placements: list[Any] = [None] * world_size
         dist.all_gather_object(placements, (str(local), str(comm)), group=self.control)
@@ -230,6 +232,7 @@ class World:
         properties = _plan(world_size, device, threads_per_rank or default_threads_per_rank(world_size))
         self._setup(properties, SpawnedRanks(properties, start_timeout), timeout)
         self._start_timeout = start_timeout
+        _clean_up_on_sigterm()
 
     def _setup(
         self, properties: WorldProperties, ranks: SpawnedRanks | _TorchrunRank, timeout: float
@@ -381,3 +384,23 @@ def _close_live_worlds() -> None:
 
 
 atexit.register(_close_live_worlds)
+
+
+def _clean_up_on_sigterm() -> None:
+    """Make SIGTERM to the driver clean up as Ctrl-C does: ranks stopped, temp folders removed.
+
+    Python's default SIGTERM ends the process without exit hooks; the ranks then notice their
+    driver is gone, but the World's folder stays. Installed only from the main thread and only over
+    the default disposition: a handler of the user's own is never replaced.
+    """
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for world in list(_LIVE_WORLDS):
+        if isinstance(world._ranks, SpawnedRanks):
+            world._closed = True
+            world._ranks.stop(graceful=False)
+    os.kill(os.getpid(), signal.SIGTERM)  # and die of it, as the sender expects (exit status -15)

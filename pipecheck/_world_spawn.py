@@ -22,16 +22,12 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from pipecheck._errors import (
-    RankDiedError,
-    RankError,
-    RankFailedError,
     RankTimeoutError,
     WorldError,
     WorldStartError,
@@ -50,6 +46,7 @@ from pipecheck._worker import (
     send,
     worker_main,
 )
+from pipecheck._world_faults import Fault, exit_status, fault_error, indent, where
 from pipecheck._world_tempdirs import make_tmpdir, sweep_stale_tmpdirs
 
 FAULT_GRACE_S = 0.5  # after a first fault, how long to collect the other ranks' reports
@@ -127,86 +124,6 @@ def process_context() -> Any:  # a SpawnContext or ForkServerContext
     if method == "forkserver":
         context.set_forkserver_preload(["pipecheck._worker"])  # torch, imported once in the server
     return context
-
-
-def _where(stage: int | None, action: str | None) -> str:
-    text = "no stage set" if stage is None else f"stage {stage}"
-    return text + (f" (action {action!r})" if action else "")
-
-
-def _indent(text: str) -> str:
-    return "".join("    " + line for line in text.rstrip().splitlines(keepends=True))
-
-
-def _exit_status(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "closed its pipe to the driver but did not exit"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name} (exit code {exitcode})"
-    return f"exited with code {exitcode} (os._exit(), or a native library calling exit())"
-
-
-def _death_hint(exitcode: int | None) -> str:
-    if exitcode == -signal.SIGKILL:
-        return "A SIGKILL nobody sent is usually the out-of-memory killer (check `dmesg`)."
-    if exitcode in (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT, -signal.SIGFPE):
-        return "This is a crash in native code (a C/C++ extension, CUDA or torch); the faulthandler output shows the Python line that called it."
-    return "Check the rank's stderr above for what it printed before exiting."
-
-
-@dataclass
-class Fault:
-    """One rank that raised (``error`` set) or died (``exitcode``) during a task."""
-
-    rank: int
-    stage: int | None
-    action: str | None
-    error: RankError | None = None
-    exitcode: int | None = None
-    last_words: str = ""  # faulthandler output written as it died
-
-
-def fault_error(
-    faults: list[Fault], still_running: set[int], task: str, world_size: int, recovery: str
-) -> WorldError:
-    # A death is the cause, never a consequence, of the others' errors (a peer's
-    # "Connection closed" may even reach the driver first): report deaths first.
-    ordered = sorted(faults, key=lambda fault: fault.error is not None)
-    first, others = ordered[0], ordered[1:]
-    where = _where(first.stage, first.action)
-    if first.error is not None:
-        lines = [
-            f"rank {first.rank} of {world_size} raised {first.error.summary} while running {where} of task {task}.",
-            f"Traceback on rank {first.rank}:",
-            _indent(first.error.traceback),
-        ]
-    else:
-        lines = [
-            f"rank {first.rank} of {world_size} died while running {where} of task {task}: "
-            f"it {_exit_status(first.exitcode)}.",
-            _death_hint(first.exitcode),
-        ]
-        if first.last_words.strip():
-            lines += [f"faulthandler output of rank {first.rank}:", _indent(first.last_words)]
-    for fault in others:
-        what = fault.error.summary if fault.error else "it " + _exit_status(fault.exitcode)
-        lines.append(
-            f"Then rank {fault.rank} ({_where(fault.stage, fault.action)}): {what} (probably a consequence)."
-        )
-    if still_running:
-        ranks = ", ".join(map(str, sorted(still_running)))
-        lines.append(
-            f"Still running when stopped: rank(s) {ranks} (probably waiting for rank {first.rank})."
-        )
-    lines.append(f"{recovery} Fix rank {first.rank}'s problem first.")
-    message = "\n".join(lines)
-    if first.error is not None:
-        return RankFailedError(message, first.error)
-    return RankDiedError(message, first.rank, first.exitcode, first.stage)
 
 
 class SpawnedRanks:
@@ -291,14 +208,14 @@ class SpawnedRanks:
                     self.procs[rank].join(KILL_GRACE_S)
                     unguarded = unguarded or self.procs[rank].exitcode == UNGUARDED_MAIN_EXIT
                     problems.append(
-                        f"rank {rank} {_exit_status(self.procs[rank].exitcode)} before joining the "
+                        f"rank {rank} {exit_status(self.procs[rank].exitcode)} before joining the "
                         "world; its stderr above says why (every rank imports the main script "
                         "again: code at its module level runs in each rank)."
                     )
                     continue
                 if isinstance(message, StartFailed):
                     problems.append(
-                        f"rank {rank} failed to join the world:\n{_indent(message.traceback)}"
+                        f"rank {rank} failed to join the world:\n{indent(message.traceback)}"
                     )
                 elif not isinstance(message, Ready):
                     problems.append(f"rank {rank} sent {message!r} instead of Ready")
@@ -309,7 +226,7 @@ class SpawnedRanks:
         if pending and not problems:
             stacks = self.dump_stacks(dict.fromkeys(pending, 0))
             problems.extend(
-                f"rank {r} did not join within start_timeout={self.start_timeout} s; its stack:\n{_indent(stacks[r])}"
+                f"rank {r} did not join within start_timeout={self.start_timeout} s; its stack:\n{indent(stacks[r])}"
                 for r in sorted(pending)
             )
         if problems:
@@ -399,7 +316,7 @@ class SpawnedRanks:
         states = []
         for rank in range(n):
             state = (
-                "still running, " + _where(*self.board.read(rank))
+                "still running, " + where(*self.board.read(rank))
                 if rank in pending
                 else "finished"
             )
@@ -416,7 +333,7 @@ class SpawnedRanks:
         for rank in range(n):
             lines += [
                 f"--- rank {rank} ({'still running' if rank in pending else 'finished'}) ---",
-                _indent(stacks[rank]),
+                indent(stacks[rank]),
             ]
         return RankTimeoutError("\n".join(lines), tuple(sorted(pending)), stacks, timeout)
 

@@ -20,7 +20,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("_errors", "_result", "_torch_warnings", "_optional_runners", "_torch_versions"),
     "split": ("_markers", "_inputs", "_model_factory", "_microbatch", "losses", "policies", "_traced",
               "_autograd_functions", "_trace_fx", "_trace_export", "_trace", "_pipe"),
-    "world": ("_worker", "_world_tempdirs", "_world_spawn", "_world"),
+    "world": ("_worker", "_world_tempdirs", "_world_faults", "_world_spawn", "_world"),
     "runtime": ("_stage_step", "_reference", "_schedule_sim", "_schedule_data", "_schedule_generators",
                 "schedules", "_timeline", "_comm", "_runtime", "_torch_schedules", "_torch_rank",
                 "_deepspeed_layers", "_deepspeed_rank", "_titan_rank"),

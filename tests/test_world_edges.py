@@ -127,3 +127,60 @@ def test_ranks_exit_when_their_driver_is_killed_and_left_a_zombie(tmp_path: Path
     finally:
         driver.kill()
         driver.wait(timeout=30)
+
+
+SIGTERMED = """
+import sys, time, signal
+sys.path.insert(0, {tests!r})
+import _world_jobs
+import pipecheck as pc
+
+if __name__ == "__main__":
+    {own_handler}
+    world = pc.World(2, start_timeout=120)
+    print(world._ranks.tmpdir, *world.run(_world_jobs.pid), flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("own_handler", [False, True], ids=["default", "user-handler"])
+def test_sigterm_to_the_driver_cleans_up_like_ctrl_c(tmp_path: Path, own_handler: bool) -> None:
+    script = tmp_path / "driver.py"
+    handler = "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))" if own_handler else "pass"
+    script.write_text(SIGTERMED.format(tests=str(Path(__file__).parent), own_handler=handler))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        folder, *ranks = driver.stdout.readline().split()  # type: ignore[union-attr]
+        driver.terminate()
+        assert driver.wait(timeout=60) == (7 if own_handler else -15)  # the user's handler is kept
+        deadline = time.monotonic() + 30
+        while not all(process_gone(int(pid)) for pid in ranks):
+            assert time.monotonic() < deadline, f"ranks {ranks} outlived the SIGTERMed driver"
+            time.sleep(0.1)
+        if not own_handler:
+            assert not Path(folder).exists(), "SIGTERM left the World's temp folder"
+    finally:
+        driver.kill()
+        driver.wait(timeout=30)
+
+
+def test_a_killed_forkserver_is_named_not_blamed_on_rank_0() -> None:
+    import multiprocessing.forkserver
+
+    import _world_jobs
+
+    with pc.World(2, start_timeout=120) as world:
+        if os.environ.get("PIPECHECK_START_METHOD", "forkserver") != "forkserver" or sys.platform != "linux":
+            pytest.skip("ranks here do not start from a forkserver")
+        ranks = world.run(_world_jobs.pid)
+        os.kill(multiprocessing.forkserver._forkserver._forkserver_pid, 9)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 30
+        while not all(process_gone(pid) for pid in ranks):  # they die with it (PR_SET_PDEATHSIG)
+            assert time.monotonic() < deadline, "the ranks outlived their forkserver"
+            time.sleep(0.1)
+        with pytest.raises(pc.WorldError) as info:
+            world.run(_world_jobs.pid)
+        message = str(info.value)
+        assert "pipecheck's forkserver (pid " in message and "is gone" in message
+        assert "No rank is at fault." in message and "Fix rank 0" not in message
+        assert len(world.run(_world_jobs.pid)) == 2  # a new forkserver starts
