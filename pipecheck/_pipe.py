@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import linecache
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +117,8 @@ class Pipe:
         copied = object.__new__(Pipe)
         memo[id(self)] = copied
         copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        for stage in copied.stages:  # each copy compiled its forward anew
+            source_freed_with(stage.module)
         return copied
 
     @property
@@ -277,10 +281,28 @@ def _build_stage(index: int, nodes: list[fx.Node], stage_of: dict[fx.Node, int],
         if node.op == "call_module":
             roots[_target(node)] = traced.attrs[_target(node)]
     graph.output(tuple(lookup(v) if isinstance(v, fx.Node) else v for v in returns))
-    module = fx.GraphModule(roots, graph, class_name=f"Stage{index}")
+    module = source_freed_with(fx.GraphModule(roots, graph, class_name=f"Stage{index}"))
     sources = tuple(Source(None if a.op == "placeholder" else stage_of[a],
                            _target(a) if a.op == "placeholder" else a.name) for a in external)
     return module, sources
+
+
+def source_freed_with(module: fx.GraphModule) -> fx.GraphModule:
+    """``module``, whose compiled forward's source torch.fx forgets when the module is freed.
+
+    fx keeps the source of every forward it compiles in a process-wide cache and in ``linecache``,
+    never freed: a stage module a check, measured at 3.4 KiB a check on the driver and on every
+    rank (benchmarks/soak.py), growing without bound over a long test session.
+    """
+    weakref.finalize(module, _forget_source, type(module).forward.__code__.co_filename)
+    return module
+
+
+def _forget_source(key: str) -> None:
+    cache = getattr(getattr(fx.graph_module, "_loader", None), "eval_cache", None)
+    if isinstance(cache, dict):
+        cache.pop(key, None)
+    linecache.cache.pop(key, None)
 
 
 def partition(traced: Traced, model: nn.Module) -> Pipe:

@@ -14,6 +14,7 @@ is a separate install ("deepspeed", "torchtitan": :mod:`pipecheck._optional_runn
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -196,8 +197,33 @@ def engine_error(err: WorldError, engine: str, when: str, setting: str) -> Engin
     if isinstance(err, RankFailedError):
         return failure_error(err.error, engine, when, setting)
     if isinstance(err, RankTimeoutError):
-        return EngineError(f"{engine} did not finish within {err.timeout} s (rank(s) "
-                           f"{', '.join(map(str, err.ranks))} stuck {when}; {setting}).\n{err}", engine=engine,
-                           rank=err.ranks[0] if err.ranks else None)
+        return timeout_error(err, engine, f"stuck {when}", setting)
     return EngineError(f"{engine} could not run: {first_line(str(err))} ({setting})\n{err}", engine=engine,
                        rank=getattr(err, "rank", None), stage=getattr(err, "stage", None))
+
+
+def timeout_error(err: RankTimeoutError, engine: str, stuck: str, setting: str) -> EngineError:
+    """An engine's hang as an EngineError whose ``rank`` is the rank that hung, not one waiting for it."""
+    culprit = hung_rank(err)
+    waiting = [rank for rank in err.ranks if rank != culprit]
+    who = (f"rank {culprit} hung" + (f" ({', '.join(map(str, waiting))} waiting for it)" if waiting else "")
+           if culprit is not None else f"rank(s) {', '.join(map(str, err.ranks))}")
+    return EngineError(f"{engine} did not finish within {err.timeout} s ({who}, {stuck}; {setting}).\n{err}",
+                       engine=engine, rank=culprit if culprit is not None else (err.ranks[0] if err.ranks else None))
+
+
+def hung_rank(err: RankTimeoutError) -> int | None:
+    """Of the ranks still running at a timeout, the one not blocked in torch.distributed: the others
+    wait in a receive or a collective for it. None when none or several are elsewhere."""
+    elsewhere = [rank for rank in err.ranks if not _in_communication(err.stacks.get(rank, ""))]
+    return elsewhere[0] if len(elsewhere) == 1 else None
+
+
+_COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}",)
+
+
+def _in_communication(stack: str) -> bool:
+    """Whether a faulthandler stack ("File "...", line N in f" lines, innermost first) is blocked in
+    torch.distributed (its innermost frame)."""
+    frames = [line for line in stack.splitlines() if line.strip().startswith('File "')]
+    return bool(frames) and any(part in frames[0] for part in _COMMUNICATION)

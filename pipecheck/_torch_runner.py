@@ -66,7 +66,14 @@ from pipecheck._job import Job
 from pipecheck._markers import SplitPoint
 from pipecheck._pipe import COMPUTE_OPS, Pipe
 from pipecheck._result import StepResult
-from pipecheck._runners import adapter_error, merge_stage_grads, ranks_needed, run_engine, world_for
+from pipecheck._runners import (
+    adapter_error,
+    merge_stage_grads,
+    ranks_needed,
+    run_engine,
+    timeout_error,
+    world_for,
+)
 from pipecheck._torch_rank import TorchRankResult, TorchStepError, TorchStepSpec, torch_rank_step
 from pipecheck._torch_schedules import TORCH_SCHEDULES, torch_layout
 from pipecheck._traced import normalize_split_spec
@@ -203,9 +210,7 @@ def engine_error(err: WorldError, job: Job) -> EngineError | AdapterError:
     if isinstance(err, RankFailedError):
         return _engine_error(err.error, "in schedule.step", job)
     if isinstance(err, RankTimeoutError):
-        return EngineError(f"{ENGINE} did not finish within {err.timeout} s (rank(s) "
-                           f"{', '.join(map(str, err.ranks))} stuck; {_setting(job)}).\n{err}", engine=ENGINE,
-                           rank=err.ranks[0] if err.ranks else None)
+        return timeout_error(err, ENGINE, "stuck", _setting(job))
     return EngineError(f"{ENGINE} could not run: {first_line(str(err))} ({_setting(job)})\n{err}", engine=ENGINE,
                        rank=getattr(err, "rank", None), stage=getattr(err, "stage", None))
 

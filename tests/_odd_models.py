@@ -30,3 +30,26 @@ def urandom_initialised_model() -> nn.Module:
         for parameter in model.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator))
     return model
+
+
+class HangsOnRank1(nn.Module):
+    """A model whose second stage never returns on rank 1: a hang in the model, not in the engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        return self.b(_sleep_on_rank_1(x))
+
+
+@torch.fx.wrap
+def _sleep_on_rank_1(x: torch.Tensor) -> torch.Tensor:
+    import time
+
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() == 1:
+        time.sleep(600)
+    return x

@@ -403,3 +403,20 @@ def test_numpy_scalars_are_numbers_like_any_other() -> None:
                     check_grads=np.bool_(True), tolerance=pc.Tolerance(np.float32(1e-5), np.float32(1e-6)),
                     split_spec=None, policy=pc.policies.balanced_params(np.int64(2)))
     assert report.ok and report.num_stages == 2
+
+
+def test_checks_leave_no_compiled_source_behind() -> None:
+    """torch.fx caches every compiled forward's source for good; a stage module takes its own with it."""
+    import gc
+    import linecache
+
+    import torch.fx.graph_module as graph_module
+
+    _check(TwoLayers)
+    gc.collect()
+    before = (len(graph_module._loader.eval_cache), len(linecache.cache))
+    for _ in range(5):
+        _check(TwoLayers)
+        pc.split(TwoLayers(), (X,), split_spec=CUT)
+    gc.collect()
+    assert (len(graph_module._loader.eval_cache), len(linecache.cache)) == before

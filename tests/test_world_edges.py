@@ -184,3 +184,13 @@ def test_a_killed_forkserver_is_named_not_blamed_on_rank_0() -> None:
         assert "pipecheck's forkserver (pid " in message and "is gone" in message
         assert "No rank is at fault." in message and "Fix rank 0" not in message
         assert len(world.run(_world_jobs.pid)) == 2  # a new forkserver starts
+
+
+def test_an_engine_hang_names_the_rank_that_hung_not_one_waiting_for_it() -> None:
+    import _odd_models
+
+    with pytest.raises(pc.EngineError) as info:
+        pc.assert_equivalent(_odd_models.HangsOnRank1, (torch.randn(4, 4),), split_spec={"b": pc.SplitPoint.BEGINNING},
+                             n_microbatches=2, runner="torch", timeout=15, tracer="fx")
+    assert info.value.rank == 1, str(info.value)
+    assert "(rank 1 hung (0 waiting for it), stuck;" in str(info.value).splitlines()[0]
