@@ -223,7 +223,15 @@ _COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}",)
 
 
 def _in_communication(stack: str) -> bool:
-    """Whether a faulthandler stack ("File "...", line N in f" lines, innermost first) is blocked in
-    torch.distributed (its innermost frame)."""
-    frames = [line for line in stack.splitlines() if line.strip().startswith('File "')]
-    return bool(frames) and any(part in frames[0] for part in _COMMUNICATION)
+    """Whether a faulthandler dump (a block per thread, "Current thread ..." the one that took the
+    signal: the main thread; its "File ..." lines innermost first) shows the rank blocked in
+    torch.distributed. Without a current thread's block, any thread blocked there counts."""
+    blocks: list[list[str]] = []
+    for line in stack.splitlines():
+        text = line.strip()
+        if text.startswith(("Thread ", "Current thread ")):
+            blocks.append([text])
+        elif blocks and text.startswith('File "'):
+            blocks[-1].append(text)
+    current = [block for block in blocks if block[0].startswith("Current thread ")]
+    return any(len(block) > 1 and any(part in block[1] for part in _COMMUNICATION) for block in current or blocks)

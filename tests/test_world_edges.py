@@ -194,3 +194,19 @@ def test_an_engine_hang_names_the_rank_that_hung_not_one_waiting_for_it() -> Non
                              n_microbatches=2, runner="torch", timeout=15, tracer="fx")
     assert info.value.rank == 1, str(info.value)
     assert "(rank 1 hung (0 waiting for it), stuck;" in str(info.value).splitlines()[0]
+
+
+def test_the_hung_rank_is_the_one_whose_main_thread_is_not_in_torch_distributed() -> None:
+    from pipecheck._errors import RankTimeoutError
+    from pipecheck._runners import hung_rank
+
+    sep = os.sep
+    waiting = ("Thread 0x01 (most recent call first):\n  <no Python frame>\n"
+               "Thread 0x02 (most recent call first):\n  File \"/x/pipecheck/_worker.py\", line 9 in _exit_when_orphaned\n"
+               f"Current thread 0x03 (most recent call first):\n  File \"/x/torch{sep}distributed{sep}distributed_c10d.py\""
+               ", line 1 in recv\n  File \"/x/torch/distributed/pipelining/schedules.py\", line 2 in step\n")
+    hung = waiting.replace(f"/x/torch{sep}distributed{sep}distributed_c10d.py\", line 1 in recv",
+                           "/home/me/model.py\", line 7 in forward")
+    assert hung_rank(RankTimeoutError("", (0, 1), {0: waiting, 1: hung}, 15.0)) == 1
+    assert hung_rank(RankTimeoutError("", (0, 1), {0: hung, 1: hung}, 15.0)) is None  # two: no guess
+    assert hung_rank(RankTimeoutError("", (0, 1), {0: waiting, 1: waiting}, 15.0)) is None
