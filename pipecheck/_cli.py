@@ -27,6 +27,7 @@ from pipecheck._cli_options import (
     device_option,
     dtype_option,
     load_object,
+    loss_options,
     runner_option,
     schedule_option,
     seconds,
@@ -122,13 +123,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         cut["policy"] = pc.policies.balanced_params(args.stages)
     if not args.allow_single_stage:
         runner = refusing_single_stage(name, runner)
+    loss = loss_options(args)
     max_lines = None if args.verbose else MAX_LINES
     try:
         report = pc.assert_equivalent(factory, call_args, call_kwargs, runner=runner,
                                       n_microbatches=args.n_microbatches, schedule=args.schedule,
                                       dtype=dtype_option(args.dtype), device=device, tracer=args.tracer,
                                       timeout=args.timeout, stages_per_rank=args.stages_per_rank, seed=args.seed,
-                                      **cut)
+                                      **loss, **cut)
     except EquivalenceError as err:  # the verdict, on stdout like a passing report; -v: every row
         failed = err.report
         if not isinstance(failed, Report):  # raised by something other than the check: main prints it
@@ -232,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--stages-per-rank", type=at_least(1), default=1, metavar="N",
                        help="stages each rank holds (several: interleaved or looped schedules)")
     check.add_argument("--seed", type=int, default=0, help="seed of the model's weights and random inputs")
+    check.add_argument("--loss", metavar="MODULE:FUNCTION", help="loss_fn(outputs, target) -> scalar tensor, as "
+                       "package.module:function (default: a seeded random projection of every output)")
+    check.add_argument("--target", metavar="MODULE:FUNCTION", help="zero-argument function returning the loss's "
+                       "target, split on dim 0 like the inputs (needs --loss)")
     check.add_argument("-v", "--verbose", action="store_true",
                        help=f"print every compared tensor's row (default: at most {MAX_LINES} lines, the failing "
                        "rows that tell most)")

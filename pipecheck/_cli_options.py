@@ -100,6 +100,26 @@ def call_inputs(args: argparse.Namespace) -> tuple[tuple[Any, ...], dict[str, An
     return (made if isinstance(made, tuple) else (made,)), {}
 
 
+def loss_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``loss_fn=`` and ``target=`` of ``check`` from ``--loss`` and ``--target``."""
+    if args.target and not args.loss:
+        raise UsageError("--target was given without --loss. Fix: add --loss package.module:function "
+                         "(loss_fn(outputs, target) -> scalar), or drop --target for the default loss.")
+    if not args.loss:
+        return {}
+    options: dict[str, Any] = {"loss_fn": load_object(args.loss, "--loss")}
+    if args.target:
+        make = load_object(args.target, "--target")
+        try:
+            options["target"] = make()
+        except PipecheckError:
+            raise
+        except Exception as err:
+            raise InputError(f"--target {args.target} raised {type(err).__name__}: {first_line(err)}. Fix: make it "
+                             "return the target with no arguments.") from err
+    return options
+
+
 def runner_option(spec: str) -> tuple[str, Any]:
     """``(column name, runner)``: a built-in runner's name, or a user's Runner as pkg.module:function."""
     if ":" in spec:

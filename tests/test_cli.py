@@ -93,6 +93,15 @@ def raising_runner(job):
     raise RuntimeError("my engine crashed")
 
 
+def mse(outputs, target):
+    return ((outputs - target) ** 2).mean()
+
+
+def make_target():
+    import torch
+    return torch.zeros(8, 4)
+
+
 NOT_CALLABLE = 3
 '''
 
@@ -160,6 +169,10 @@ USAGE = [
                  "Did you mean 'reference'?", id="runner-typo"),
     pytest.param([*CHECK, "--runner", "models:no_runner"], "module 'models' has no attribute 'no_runner' for "
                  "--runner", id="runner-path"),
+    pytest.param([*CHECK, "--target", "models:make_target"], "--target was given without --loss. Fix: add --loss",
+                 id="target-without-loss"),
+    pytest.param([*CHECK, "--loss", "models:mes"], "module 'models' has no attribute 'mes' for --loss (did you "
+                 "mean 'mse'", id="loss-typo"),
     pytest.param(["zoo", "--models", "mlpp"], "--models: no zoo model or tag ['mlpp']; the zoo has",
                  id="zoo-model-typo"),
     pytest.param(["zoo", "--runners", "reference,torhc"], "runner 'torhc' is not one of", id="zoo-runner-typo"),
@@ -224,6 +237,15 @@ def test_a_match_exits_0_with_the_report_on_stdout(user_dir: Path) -> None:
     assert first_line(result.stdout) == ("pipecheck: runner 'reference' matches eager (6 tensors; tolerance auto, "
                                          "float32, 2 stages split by fx, 4 micro-batches)")
     assert result.stderr == ""
+
+
+def test_a_loss_and_its_target_are_given_by_module_path(user_dir: Path) -> None:
+    result = run_cli([*REFERENCE, "--loss", "models:mse", "--target", "models:make_target", "-v"], user_dir)
+    assert result.returncode == 0, result.stderr
+    assert "\nloss " in result.stdout
+    without = run_cli([*REFERENCE, "--loss", "models:mse"], user_dir)  # the loss needs its target
+    assert without.returncode == 2, without.stdout
+    assert "no target was given, so loss_fn was called with target=None: pass target=" in without.stderr
 
 
 @pytest.mark.parametrize("extra,stages", [(["--allow-single-stage"], "1 stage"), (["--stages", "2"], "2 stages")])
