@@ -24,12 +24,16 @@ SKIP = ("" if at_least(VERSION, "2.12") else "AssertionError: ") + "Backward of 
 HF_TIED_RUNS = at_least(VERSION, "2.13")
 HF_TIED_CRASH = "RuntimeError: only Tensors of floating point dtype can require gradients"
 
-# Llama and Mixtral under pipeline(): the rotary embedding, computed under no_grad, is outlined into a
-# submodule and called without its inputs; how torch fails on it depends on the release. transformers
-# 5.24 dropped the rotary embedding's @torch.no_grad() (measured: 5.23.0 outlines it, 5.24.0 does not);
-# torch then runs both models and, as for GPT-2 and BERT, leaves their tied embedding unsynchronised.
-ROTARY_OUTLINED = Version(importlib.metadata.version("transformers")) < Version("5.24") if importlib.util.find_spec(
-    "transformers") else True
+# Llama and Mixtral under pipeline(), keyed by the transformers release: up to 5.23 their rotary embedding's
+# forward is @torch.no_grad(); torch outlines that no_grad region into a submodule and calls it without its
+# inputs, and how it fails depends on the torch release (ROTARY, below). transformers 5.24 dropped the
+# decorator (every 5.x up to 5.23.0 has it; 5.23.0 and 5.24.0 measured, adjacent releases): torch traces the
+# rotary embedding inline and meets Llama and Mixtral as it meets GPT-2 and BERT (HF_TIED_RUNS): from 2.13
+# it leaves Llama's tied embedding unsynchronised (tiny config, tie_word_embeddings=True) and matches eager
+# on Mixtral (untied); before 2.13 stage 1 fails with HF_TIED_CRASH (measured on 2.10).
+TRANSFORMERS = (Version(importlib.metadata.version("transformers")) if importlib.util.find_spec("transformers")
+                else None)
+ROTARY_NO_GRAD = TRANSFORMERS is None or TRANSFORMERS < Version("5.24")
 # Up to 2.12 it fails in pipeline() itself, before any stage is built (stage None); on 2.10 with a bare assert.
 ROTARY = ("RuntimeError: Expected positional argument for parameter" if at_least(VERSION, "2.13")
           else "AssertionError: unexpected placeholder node" if at_least(VERSION, "2.11")

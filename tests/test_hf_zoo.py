@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from _torch_findings import HF_TIED_CRASH, HF_TIED_RUNS, ROTARY, ROTARY_OUTLINED, ROTARY_STAGE  # noqa: E402
+from _torch_findings import HF_TIED_CRASH, HF_TIED_RUNS, ROTARY, ROTARY_NO_GRAD, ROTARY_STAGE  # noqa: E402
 from pipecheck.fixtures import HF_ZOO, get  # noqa: E402
 
 import pipecheck as pc  # noqa: E402
@@ -53,9 +53,15 @@ MOE = {"hf_mixtral": {f"grad model.layers.{layer}.mlp.{param}": (layer // 2,) fo
                       for param in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")}}
 
 
-@pytest.mark.parametrize("name,tensor", [("hf_gpt2", "grad transformer.wte.weight"),
-                                         ("hf_bert", "grad bert.embeddings.word_embeddings.weight")])
-def test_torch_leaves_the_tied_embeddings_unsynchronised(pipecheck_world: Any, name: str, tensor: str) -> None:
+# Before transformers 5.24 torch fails on Llama's no_grad rotary embedding first (_torch_findings).
+ROTARY_FIRST = pytest.mark.skipif(ROTARY_NO_GRAD, reason="transformers < 5.24: torch fails on the no_grad rotary "
+                                  "embedding first (test_torch_calls_the_rotary_embedding_without_its_inputs)")
+
+
+@pytest.mark.parametrize("name,tied", [("hf_gpt2", "transformer.wte.weight"),
+                                       ("hf_bert", "bert.embeddings.word_embeddings.weight"),
+                                       pytest.param("hf_llama", "model.embed_tokens.weight", marks=ROTARY_FIRST)])
+def test_torch_leaves_the_tied_embeddings_unsynchronised(pipecheck_world: Any, name: str, tied: str) -> None:
     if not HF_TIED_RUNS:  # torch before 2.13 fails stage 1 before any step (_torch_findings)
         with pytest.raises(pc.EngineError) as refused:
             check(name, "torch", pipecheck_world(2))
@@ -63,8 +69,19 @@ def test_torch_leaves_the_tied_embeddings_unsynchronised(pipecheck_world: Any, n
         return
     with pytest.raises(pc.EquivalenceError) as caught:
         check(name, "torch", pipecheck_world(2))
-    assert tensor in [row.name for row in caught.value.report.failures]
-    assert "tied parameter not synchronised" in caught.value.report.hints[tensor]
+    failing = {row.name for row in caught.value.report.failures}  # the tie's gradient alone: every other row matches
+    assert failing == {f"grad {tied}{replica}" for replica in ("", " (replica in stage 0)", " (replica in stage 1)")}
+    assert "tied parameter not synchronised" in caught.value.report.hints[f"grad {tied}"]
+
+
+@ROTARY_FIRST
+def test_torch_matches_mixtral_whose_embedding_is_untied(pipecheck_world: Any) -> None:
+    if not HF_TIED_RUNS:  # as GPT-2 and BERT: torch before 2.13 fails stage 1 before any step (_torch_findings)
+        with pytest.raises(pc.EngineError) as refused:
+            check("hf_mixtral", "torch", pipecheck_world(2))
+        assert str(refused.value).splitlines()[0] == HF_TIED_CRASH
+        return
+    assert check("hf_mixtral", "torch", pipecheck_world(2)).ok
 
 
 def test_torch_drops_t5s_encoder_output_and_is_refused(pipecheck_world: Any) -> None:
@@ -74,26 +91,13 @@ def test_torch_drops_t5s_encoder_output_and_is_refused(pipecheck_world: Any) -> 
         "torch returns only last-stage outputs; output['encoder_last_hidden_state'] is stage 0's")
 
 
-def test_torch_leaves_llama_s_tied_embedding_unsynchronised_and_matches_mixtral(pipecheck_world: Any) -> None:
-    """From transformers 5.24 the rotary embedding is no longer under no_grad: torch runs both models.
-    Llama's tiny config ties its embedding to the output (as GPT-2's and BERT's do); Mixtral's does not."""
-    if ROTARY_OUTLINED or not HF_TIED_RUNS:
-        pytest.skip("transformers < 5.24 (the rotary embedding is outlined) or torch < 2.13 (_torch_findings)")
-    with pytest.raises(pc.EquivalenceError) as caught:
-        check("hf_llama", "torch", pipecheck_world(2))
-    failing = {row.name for row in caught.value.report.failures}
-    assert failing == {f"grad model.embed_tokens.weight{replica}" for replica in
-                       ("", " (replica in stage 0)", " (replica in stage 1)")}, failing
-    assert "tied parameter not synchronised" in caught.value.report.hints["grad model.embed_tokens.weight"]
-    assert check("hf_mixtral", "torch", pipecheck_world(2)).ok
-
-
 @pytest.mark.parametrize("name", ["hf_llama", "hf_mixtral"])
 def test_torch_calls_the_rotary_embedding_without_its_inputs(pipecheck_world: Any, name: str) -> None:
     """torch's pipeline() outlines the no_grad rotary embedding twice, the first call without arguments:
     fx's interpreter runs out of them (a bare StopIteration, reported by the message above it)."""
-    if not ROTARY_OUTLINED:
-        pytest.skip("transformers >= 5.24: the rotary embedding is no longer under no_grad (_torch_findings)")
+    if not ROTARY_NO_GRAD:
+        pytest.skip("transformers >= 5.24: the rotary embedding is no longer under no_grad and torch no longer "
+                    "outlines it (_torch_findings)")
     with pytest.raises(pc.EngineError) as caught:
         check(name, "torch", pipecheck_world(2))
     first = str(caught.value).splitlines()[0]
