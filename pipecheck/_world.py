@@ -267,6 +267,8 @@ class World:
         """
         key = (world_size, str(device))
         world = _SHARED.get(key)
+        if world is not None and not world.closed and world._lost_a_rank():
+            world.close()  # killed while idle (its forkserver, the OOM killer): the pool's loss, not a check's
         if world is None or world.closed:
             world = cls(world_size, device=str(device), timeout=timeout)
             _SHARED[key] = world
@@ -317,6 +319,10 @@ class World:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _lost_a_rank(self) -> bool:
+        with self._lock:
+            return isinstance(self._ranks, SpawnedRanks) and bool(self._ranks.dead_ranks())
 
     def _ensure_open(self) -> None:
         if self._closed:

@@ -111,3 +111,18 @@ def fault_error(
     if first.error is not None:
         return RankFailedError(message, first.error)
     return RankDiedError(message, first.rank, first.exitcode, first.stage)
+
+
+def idle_death_error(exitcodes: dict[int, int | None], task: str, world_size: int, recovery: str) -> RankDiedError:
+    """Ranks found dead when ``task`` was about to be sent: they died between tasks, not in it."""
+    rank = min(exitcodes)
+    ranks = ", ".join(map(str, sorted(exitcodes)))
+    if exitcodes[rank] == _STATUS_UNKNOWN and (server := dead_forkserver()) is not None:
+        cause = (f"pipecheck's forkserver (pid {server}), which started them, is gone (killed from outside?) "
+                 "and they were stopped with it. No rank is at fault. Leave pipecheck's forkserver process running.")
+    else:
+        cause = f"rank {rank} {exit_status(exitcodes[rank])}. {_death_hint(exitcodes[rank])}"
+    return RankDiedError(
+        f"rank(s) {ranks} of {world_size} died while the World was idle, between tasks: {cause} "
+        f"Task {task} was not sent, so nothing of it ran. {recovery}",
+        rank, exitcodes[rank], None)

@@ -42,11 +42,12 @@ from pipecheck._worker import (
     TaskRequest,
     WorkerConfig,
     WorldProperties,
+    process_gone,
     receive,
     send,
     worker_main,
 )
-from pipecheck._world_faults import Fault, exit_status, fault_error, indent, where
+from pipecheck._world_faults import Fault, exit_status, fault_error, idle_death_error, indent, where
 from pipecheck._world_tempdirs import make_tmpdir, sweep_stale_tmpdirs
 
 FAULT_GRACE_S = 0.5  # after a first fault, how long to collect the other ranks' reports
@@ -241,6 +242,9 @@ class SpawnedRanks:
     def run(self, call: bytes, task: str, timeout: float) -> list[bytes]:
         if not self.started:
             self.start()
+        if dead := self.dead_ranks():
+            self.stop(graceful=False)
+            raise idle_death_error(dead, task, self.properties.world_size, RESTART_NOTE)
         task_id = next(self.task_ids)
         offsets = {r: self._stack_size(r) for r in range(self.properties.world_size)}
         request = pickle.dumps(TaskRequest(task_id, call))
@@ -404,3 +408,13 @@ class SpawnedRanks:
     @property
     def pids(self) -> tuple[int, ...]:
         return tuple(proc.pid or 0 for proc in self.procs)
+
+    def dead_ranks(self) -> dict[int, int | None]:
+        """The exit status of every started rank that is no longer running (waits only for a dead one's status)."""
+        dead = {}
+        for rank, proc in enumerate(self.procs):
+            if proc.exitcode is None and process_gone(proc.pid or 0):
+                proc.join(KILL_GRACE_S)  # gone from /proc a moment before its status reaches us
+            if proc.exitcode is not None or process_gone(proc.pid or 0):
+                dead[rank] = proc.exitcode
+        return dead

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ import torch.nn as nn
 
 import pipecheck as pc
 from pipecheck._comm import Links, layout_of
+from pipecheck._errors import RankDiedError
 from pipecheck._worker import process_gone
 from pipecheck._world_tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
 
@@ -210,3 +212,36 @@ def test_the_hung_rank_is_the_one_whose_main_thread_is_not_in_torch_distributed(
     assert hung_rank(RankTimeoutError("", (0, 1), {0: waiting, 1: hung}, 15.0)) == 1
     assert hung_rank(RankTimeoutError("", (0, 1), {0: hung, 1: hung}, 15.0)) is None  # two: no guess
     assert hung_rank(RankTimeoutError("", (0, 1), {0: waiting, 1: waiting}, 15.0)) is None
+
+
+def test_ranks_that_died_between_tasks_are_named_before_a_task_is_sent() -> None:
+    import _world_jobs
+
+    with pc.World(2, start_timeout=120) as world:
+        pids = world.run(_world_jobs.pid)
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not process_gone(pids[1]):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(RankDiedError) as info:
+            world.run(_world_jobs.pid)
+        assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
+        assert "rank(s) 1 of 2 died while the World was idle, between tasks: rank 1 was killed by SIGKILL" in str(info.value)
+        assert "was not sent, so nothing of it ran" in str(info.value)
+        assert len(world.run(_world_jobs.pid)) == 2  # fresh ranks
+
+
+def test_the_shared_pool_replaces_a_world_that_lost_a_rank_while_idle() -> None:
+    import _world_jobs
+
+    world = pc.World.shared(2)
+    pids = world.run(_world_jobs.pid)
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not process_gone(pids[0]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    again = pc.World.shared(2)
+    assert again is not world and world.closed
+    assert set(again.run(_world_jobs.pid)).isdisjoint(pids)
