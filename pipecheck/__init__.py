@@ -20,7 +20,9 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "AdapterError": "pipecheck._errors",
     "assert_equivalent": "pipecheck._check",
+    "Boundaries": "pipecheck._boundaries",
     "DetachExecutor": "pipecheck._reference",
+    "Divergence": "pipecheck._boundaries",
     "Edge": "pipecheck._pipe",
     "EngineError": "pipecheck._errors",
     "EquivalenceError": "pipecheck._errors",
@@ -73,6 +75,7 @@ def __dir__() -> list[str]:
 
 if typing.TYPE_CHECKING:
     from pipecheck import engines, losses, policies, schedules, strategies
+    from pipecheck._boundaries import Boundaries, Divergence
     from pipecheck._check import assert_equivalent
     from pipecheck._distributed_runner import run_pipeline
     from pipecheck._errors import (

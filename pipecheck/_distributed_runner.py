@@ -56,7 +56,7 @@ def plan_schedule(job: Job, pipe: Pipe) -> Schedule:
 def step_spec(job: Job, schedule: Schedule, tracer: str) -> StepSpec:
     """What every rank gets; ``tracer`` is the one that made the driver's split (not "auto" again)."""
     return StepSpec(job.model, job.split_spec, job.policy, tracer, job.args, job.kwargs, job.loss_fn,
-                    job.target, schedule)
+                    job.target, schedule, record=job.boundaries is not None)
 
 
 def merge_rank_results(pipe: Pipe, results: Sequence[RankResult], n_microbatches: int,
@@ -94,6 +94,7 @@ def run_distributed(job: Job) -> StepResult:
     result = merge_rank_results(pipe, results, job.n_microbatches, replicated)
     result.timings["step_s"] = time.perf_counter() - started
     result.events = [e for r in results for e in r.events]
+    result.boundaries = {key: value for r in results for key, value in r.boundaries.items()}
     if job.trace_path:
         write_chrome_trace(job.trace_path, result.events, schedule)
     return result

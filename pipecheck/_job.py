@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch.nn as nn
 
+from pipecheck._boundaries import Boundaries, instrument
 from pipecheck._pipe import Pipe, split
 from pipecheck._result import StepResult
 from pipecheck.losses import LossFn
@@ -55,16 +56,24 @@ class Job:
     world: World | None = None
     trace_path: str | None = None
     pipe: Pipe | None = field(default=None, repr=False)  # the check's split of ``model``, if made
+    # Set when the check re-runs a failing job to find where it diverges: every split() then records its
+    # stage modules' boundary values here (an engine that runs other modules may call boundaries.record).
+    boundaries: Boundaries | None = field(default=None, repr=False)
 
     def build_model(self) -> nn.Module:
         return self.model()
 
     def split(self) -> Pipe:
-        """The job's model cut as the job asks: a private copy, safe to run (running changes buffers)."""
+        """The job's model cut as the job asks: a private copy, safe to run (running changes buffers).
+        While ``boundaries`` is set, its stage modules record their boundary values there."""
         if self.pipe is not None:
-            return copy.deepcopy(self.pipe)
-        return split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
-                     tracer=self.tracer)
+            pipe = copy.deepcopy(self.pipe)
+        else:
+            pipe = split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
+                         tracer=self.tracer)
+        if self.boundaries is not None:
+            instrument(pipe, self.boundaries)
+        return pipe
 
     def structure(self) -> Pipe:
         """The job's split for reading its stages, edges and tied groups (not for running)."""

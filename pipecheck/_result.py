@@ -30,3 +30,6 @@ class StepResult:
     # assert_equivalent checks each replica, not only the one in ``grads``.
     replica_grads: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     events: list[Any] = field(default_factory=list)  # optional: timeline events (pipecheck._timeline.Event)
+    # Optional: boundary values, (stage, micro-batch, point, value name) -> host tensor, recorded when
+    # ``job.boundaries`` is set (see pipecheck.Job); a runner on one process need not fill it.
+    boundaries: dict[tuple[int, int, str, str], torch.Tensor] = field(default_factory=dict)

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from pipecheck import _optional_runners as optional
+from pipecheck._boundaries import recording
 from pipecheck._errors import (
     AdapterError,
     EngineError,
@@ -53,7 +54,9 @@ def available_runners() -> list[str]:
 def run_reference(job: Job) -> StepResult:
     """pipecheck's single-process reference: DetachExecutor on the job's split (the check's own, its
     buffers put back after: a step changes only buffers, never parameters)."""
-    with (job.pipe.buffers_restored() if job.pipe is not None else contextlib.nullcontext(job.split())) as pipe:
+    with (job.pipe.buffers_restored() if job.pipe is not None else contextlib.nullcontext(job.split())) as pipe, \
+            (recording(pipe, job.boundaries) if job.boundaries is not None and job.pipe is not None
+             else contextlib.nullcontext()):  # job.split() records by itself
         return DetachExecutor(pipe).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
                                          n_microbatches=job.n_microbatches)
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._boundaries import Boundaries, BoundaryKey, instrument
 from pipecheck._comm import Channel, Links, Posted
 from pipecheck._inputs import cast_inputs
 from pipecheck._microbatch import split_microbatches
@@ -67,6 +68,7 @@ class StepSpec:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     target: Any
     schedule: Schedule
+    record: bool = False  # record boundary values (a failing check's second run, to find where it diverges)
 
     def split_on(self, device: torch.device) -> Pipe:
         """This rank's split of the model, built on ``device``."""
@@ -86,6 +88,7 @@ class RankResult:
     input_grads: dict[InputGradKey, LeafGrads] = field(default_factory=dict)
     buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> after the step
     events: list[Event] = field(default_factory=list)
+    boundaries: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)  # when the spec says record
 
 
 def dependencies(pipe: Pipe) -> dict[int, set[int]]:
@@ -120,6 +123,9 @@ class StageExecutor:
         self.rank = ctx.rank
         self.schedule = spec.schedule
         self.pipe = spec.split_on(ctx.device)
+        self.recorder = Boundaries() if spec.record else None
+        if self.recorder is not None:
+            instrument(self.pipe, self.recorder)
         self.stage_to_rank = spec.schedule.stage_to_rank
         self.links = Links(self.pipe, self.stage_to_rank, ctx.device, ctx.comm_device, ctx.secret)
         n = spec.schedule.n_microbatches
@@ -144,6 +150,9 @@ class StageExecutor:
         self.loss_values: dict[int, torch.Tensor] = {}
         self.owned: dict[int, set[str]] = {}  # per stage: gradients summed in place (see add_param_grads)
         self.weights_pending: dict[tuple[int, int], PendingWeights] = {}  # (stage, mb): I ran, W has not
+        if self.recorder is not None:
+            self.recorder.values.clear()
+            self.recorder.forwards.clear()
 
     def _mine(self, stage: int) -> bool:
         return self.stage_to_rank[stage] == self.rank
@@ -326,6 +335,8 @@ class StageExecutor:
         result = self.result
         result.outputs, result.losses, result.grads, result.input_grads, result.buffers = to_host(
             (result.outputs, result.losses, result.grads, result.input_grads, result.buffers))
+        if self.recorder is not None:
+            result.boundaries = dict(self.recorder.values)  # copied to the host as recorded
         self.ctx.stage, self.ctx.action = None, None
         return result
 

@@ -1,0 +1,290 @@
+"""Boundary values: what each stage received and sent, per micro-batch, forward and backward.
+
+    recorder = Boundaries()
+    instrument(pipe, recorder)          # pipe: a private copy (job.split()), never the check's own
+    ...run the pipe's stage modules...   # any engine that calls stage.module(*inputs)
+    recorder.values[(1, 0, "received", "relu")]  # stage 1, micro-batch 0: the value it received
+
+The stage modules get hooks, not wrappers: a forward pre-hook records the
+values a stage receives, a forward hook the values it sends, and each value
+that needs a gradient passes through an identity autograd function whose
+backward records the gradient flowing through it (the gradient an output
+received, the gradient an input's producer is sent). The k-th forward of a
+stage module is micro-batch k; a forward that autograd runs inside a backward
+(activation recompute) and a forward of meta or fake tensors (shape inference)
+are not micro-batches and are not recorded. Values are copied to the host.
+
+:func:`first_divergence` compares a runner's values with the reference's in
+dataflow order: the forward from the first stage to the last (what a stage
+received, then what it sent), then the backward from the last stage to the
+first (the gradients a stage received, then those it sent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils.hooks import RemovableHandle
+
+from pipecheck._errors import plural
+from pipecheck._pipe import Pipe, Stage
+
+POINTS = ("received", "sent", "grad received", "grad sent")  # in a stage's dataflow order
+BoundaryKey = tuple[int, int, str, str]  # (stage, micro-batch, point, value name)
+
+
+@dataclass
+class Boundaries:
+    """A recording of boundary values: ``values[(stage, microbatch, point, name)]`` (host tensors)."""
+
+    values: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)
+    forwards: dict[int, int] = field(default_factory=dict)  # stage -> forwards recorded so far
+    # Received values that changed between their forward and their backward (a reused receive buffer
+    # written in place under the stage's saved activations): key -> largest change.
+    overwritten: dict[BoundaryKey, float] = field(default_factory=dict)
+
+    def record(self, stage: int, microbatch: int, point: str, name: str, value: Any) -> None:
+        """Record one boundary value (every tensor leaf of it; a nested value as ``name[i]``).
+
+        The call an engine makes itself when it does not run the stage modules of ``job.split()``:
+        ``point`` is one of ``"received"``, ``"sent"``, ``"grad received"``, ``"grad sent"``.
+        """
+        if point not in POINTS:
+            raise ValueError(f"point={point!r}: use one of {POINTS}")
+        leaves = pytree.tree_leaves(value)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                key = (stage, microbatch, point, name if len(leaves) == 1 else f"{name}[{i}]")
+                self.values.setdefault(key, leaf.detach().to("cpu", copy=True))  # first wins: a W pass re-walks
+
+
+class _Tap(torch.autograd.Function):
+    """Identity forward (a copy, so a stage may write into it); its backward records the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, recorder: Boundaries, key: BoundaryKey,
+                watched: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.recorder, ctx.key, ctx.watched = recorder, key, watched
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if grad is not None:
+            ctx.recorder.record(*ctx.key, grad)
+        if ctx.watched is not None:  # a received value: is it still what the forward received?
+            stage, mb, _, name = ctx.key
+            seen = ctx.recorder.values.get((stage, mb, "received", name))
+            now = ctx.watched.detach().to("cpu")
+            if seen is not None and seen.shape == now.shape and not torch.equal(seen, now):
+                change = (now.double() - seen.double()).abs().max().item() if seen.is_floating_point() else 1.0
+                ctx.recorder.overwritten[(stage, mb, "received", name)] = change
+        return grad, None, None, None
+
+
+def _not_a_microbatch(args: tuple[Any, ...]) -> bool:
+    """A forward autograd runs inside a backward (recompute), or one on meta/fake tensors."""
+    if torch._C._current_graph_task_id() != -1:
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(leaf, torch.Tensor) and (leaf.is_meta or isinstance(leaf, FakeTensor))
+               for leaf in pytree.tree_leaves(args))
+
+
+def _tapped(value: Any, recorder: Boundaries, stage: int, mb: int, point: str, name: str) -> Any:
+    """``value`` with every leaf that needs a gradient passed through a tap keyed like ``record``."""
+    leaves, spec = pytree.tree_flatten(value)
+    out = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and torch.is_grad_enabled():
+            key = (stage, mb, point, name if len(leaves) == 1 else f"{name}[{i}]")
+            leaf = _Tap.apply(leaf, recorder, key, leaf if point == "grad sent" else None)
+        out.append(leaf)
+    return pytree.tree_unflatten(out, spec)
+
+
+def output_names(pipe: Pipe) -> list[str]:
+    """The last stage's output leaves as the report names them (``output``, ``output['logits']``)."""
+    leaves = pytree.tree_unflatten(list(range(pipe.out_spec.num_leaves)), pipe.out_spec)
+    return ["output" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(leaves)[0]]
+
+
+def stage_output_names(pipe: Pipe, stage: Stage) -> list[str]:
+    return list(stage.outputs) if stage.index < pipe.num_stages - 1 else output_names(pipe)
+
+
+def instrument(pipe: Pipe, recorder: Boundaries) -> list[RemovableHandle]:
+    """Record every stage module's boundary values into ``recorder`` (hooks on ``pipe``'s own modules;
+    removing the returned handles takes them off)."""
+    return [handle for stage in pipe.stages
+            for handle in _instrument_stage(stage, stage_output_names(pipe, stage), recorder)]
+
+
+@contextmanager
+def recording(pipe: Pipe, recorder: Boundaries) -> Iterator[Pipe]:
+    """``pipe`` recording into ``recorder`` for the duration (for a pipe that is not a private copy)."""
+    handles = instrument(pipe, recorder)
+    try:
+        yield pipe
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _instrument_stage(stage: Stage, out_names: list[str], recorder: Boundaries) -> list[RemovableHandle]:
+    in_names = [src.name for src in stage.inputs]
+    current: list[int] = []  # the micro-batch of the forward under way
+
+    def before(_module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if _not_a_microbatch(args):
+            current.clear()
+            return None
+        mb = recorder.forwards.get(stage.index, 0)
+        recorder.forwards[stage.index] = mb + 1
+        current[:] = [mb]
+        for name, value in zip(in_names, args):
+            recorder.record(stage.index, mb, "received", name, value)
+        return tuple(_tapped(value, recorder, stage.index, mb, "grad sent", name)
+                     for name, value in zip(in_names, args)) + args[len(in_names):]
+
+    def after(_module: Any, _args: tuple[Any, ...], outputs: Any) -> Any:
+        if not current:
+            return None
+        mb = current.pop()
+        values = list(outputs)
+        for name, value in zip(out_names, values):
+            recorder.record(stage.index, mb, "sent", name, value)
+        tapped = [_tapped(value, recorder, stage.index, mb, "grad received", name)
+                  for name, value in zip(out_names, values)] + values[len(out_names):]
+        return type(outputs)(tapped) if isinstance(outputs, (tuple, list)) else tapped
+
+    return [stage.module.register_forward_pre_hook(before), stage.module.register_forward_hook(after)]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The earliest boundary value in dataflow order where the runner and the reference differ.
+
+    ``point`` is what the stage did with the value ("received", "sent", "grad received",
+    "grad sent"); ``microbatches`` diverge (or were never recorded: ``missing``), ``matching`` agree.
+    ``producer``: the stage that made the value (None: a model input; for a gradient, the stage the
+    value belongs to). ``error`` is the largest absolute difference, ``relative`` that over the
+    reference's largest magnitude (inf where shapes differ or a value is missing).
+    """
+
+    stage: int
+    direction: str  # "forward" or "backward"
+    point: str
+    value: str
+    producer: int | None
+    microbatches: tuple[int, ...]
+    matching: tuple[int, ...]
+    missing: tuple[int, ...]
+    error: float
+    relative: float
+    more_values: int = 0  # other values diverging at the same stage and point
+
+    def text(self) -> str:
+        where = {"received": "received", "sent": "sent", "grad received": "received the gradient of",
+                 "grad sent": "sent back the gradient of"}[self.point]
+        source = ("a model input" if self.producer is None and self.point in ("received", "grad sent")
+                  else f"from stage {self.producer}" if self.point == "received"
+                  else f"to stage {self.producer}" if self.point == "grad sent" else None)
+        what = f"{self.value!r}" + (f" ({source})" if source else "")
+        if self.more_values:
+            what += f" and {plural(self.more_values, 'other value')}"
+        mbs = _mb_list(self.microbatches, "differs") if self.microbatches else ""
+        if self.missing:
+            mbs = (mbs + "; " if mbs else "") + _mb_list(self.missing, "never reached it")
+        ok = f"; {_mb_list(self.matching, 'matches')}" if self.matching else ""
+        error = (f", max abs error {self.error:.2e} ({self.relative:.1e} of its largest value)"
+                 if self.error == self.error and self.error != float("inf") else "")
+        return (f"first divergence: stage {self.stage} {where} {what} in the {self.direction}: "
+                f"{mbs}{ok}{error}")
+
+
+def _mb_list(mbs: tuple[int, ...], verb: str) -> str:
+    word = "micro-batch" if len(mbs) == 1 else "micro-batches"
+    verb = verb if len(mbs) == 1 else {"differs": "differ", "matches": "match", "never reached it": "never reached it"}[verb]
+    return f"{word} {', '.join(map(str, mbs))} {verb}"
+
+
+def diverges(test: torch.Tensor, truth: torch.Tensor) -> tuple[bool, float, float]:
+    """(differs, max abs error, relative error) under a diagnosis's loose closeness, not a verdict's."""
+    if test.shape != truth.shape or test.dtype != truth.dtype:
+        return True, float("inf"), float("inf")
+    if test.is_complex():
+        test, truth = torch.view_as_real(test), torch.view_as_real(truth)
+    if not test.is_floating_point():
+        equal = bool(torch.equal(test, truth))
+        return not equal, 0.0 if equal else float("inf"), 0.0 if equal else float("inf")
+    t64, r64 = test.double(), truth.double()
+    same = (t64 == r64) | (t64.isnan() & r64.isnan())
+    diff = (t64 - r64).abs().masked_fill(same, 0.0).nan_to_num(float("inf"))
+    error = diff.max().item() if diff.numel() else 0.0
+    finite = r64[torch.isfinite(r64)]
+    scale = finite.abs().max().item() if finite.numel() else 0.0
+    rel = max(1e-4, 8 * torch.finfo(test.dtype).eps)
+    relative = error / scale if scale > 0 else (0.0 if error == 0 else float("inf"))
+    return error > rel * scale, error, relative
+
+
+def _order(pipe: Pipe) -> Iterator[tuple[int, str]]:
+    for stage in range(pipe.num_stages):
+        yield stage, "received"
+        yield stage, "sent"
+    for stage in reversed(range(pipe.num_stages)):
+        yield stage, "grad received"
+        yield stage, "grad sent"
+
+
+def overwritten_text(overwritten: Mapping[BoundaryKey, float]) -> str:
+    """What the first received value that changed under its stage's saved activations says."""
+    (stage, mb, _, name), change = min(overwritten.items())
+    others = len(overwritten) - 1
+    more = f" ({plural(others, 'more value')} too)" if others else ""
+    return (f"first divergence: stage {stage} received {name!r} for micro-batch {mb} right, but it changed before "
+            f"that micro-batch's backward (by up to {change:.2e}){more}: the tensor the stage saved for backward was "
+            "overwritten in place, as a receive buffer reused for the next micro-batch is; give each in-flight "
+            "micro-batch its own buffer, or copy what was received")
+
+
+def first_divergence(pipe: Pipe, test: Mapping[BoundaryKey, torch.Tensor],
+                     truth: Mapping[BoundaryKey, torch.Tensor], n_microbatches: int) -> Divergence | None:
+    """The earliest (stage, point) in dataflow order where some value of some micro-batch differs
+    from the reference's, or the runner recorded nothing for a micro-batch the reference has."""
+    producers = {(s.index, src.name): src.stage for s in pipe.stages for src in s.inputs}
+    for stage, point in _order(pipe):
+        names = list(dict.fromkeys(key[3] for key in truth if key[0] == stage and key[2] == point))
+        found: list[tuple[str, list[int], list[int], list[int], float, float]] = []
+        for name in names:
+            bad: list[int] = []
+            good: list[int] = []
+            missing: list[int] = []
+            worst, worst_rel = 0.0, 0.0
+            for mb in range(n_microbatches):
+                key = (stage, mb, point, name)
+                if key not in truth:
+                    continue
+                if key not in test:
+                    missing.append(mb)
+                    continue
+                differs, error, relative = diverges(test[key], truth[key])
+                (bad if differs else good).append(mb)
+                if differs:
+                    worst, worst_rel = max(worst, error), max(worst_rel, relative)
+            if bad or missing:
+                found.append((name, bad, good, missing, worst, worst_rel))
+        if found:
+            name, bad, good, missing, error, relative = found[0]
+            base = name.split("[", 1)[0]
+            producer = producers.get((stage, base), stage) if point in ("received", "grad sent") else stage
+            return Divergence(stage, "forward" if point in ("received", "sent") else "backward", point, name,
+                              producer, tuple(bad), tuple(good), tuple(missing),
+                              error if bad else float("inf"), relative if bad else float("inf"), len(found) - 1)
+    return None
