@@ -38,11 +38,12 @@ from pipecheck._eager import (
 from pipecheck._errors import EngineError, EquivalenceError, InputError, PipecheckError, TraceError
 from pipecheck._inputs import cast_inputs, prepare_inputs
 from pipecheck._job import Job, Runner
+from pipecheck._localise import ReferenceByMicrobatch, locate
 from pipecheck._model_factory import ModelFactory, refuse_unreproducible, seeded
 from pipecheck._numerics import ToleranceLike, check_tolerance
 from pipecheck._optional_runners import OPTIONAL
 from pipecheck._pipe import split_module
-from pipecheck._report import Report
+from pipecheck._report import Report, row_kind
 from pipecheck._result import StepResult
 from pipecheck._runners import BUILTIN, run_reference
 from pipecheck._trace import check_tracer
@@ -169,8 +170,10 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         result = _run(run, runner_name, dataclasses.replace(job, kwargs=dict(job.kwargs)))
     clean = inputs.unspoiled()  # hints re-run the reference: never on inputs the runner wrote into
     job = dataclasses.replace(job, args=clean.args, kwargs=clean.kwargs)
+    reference = ReferenceByMicrobatch(job)  # run only on failure, by the hints and the locating step
     with clock("compare_s"):
-        rows, hints, notes = compare_all(pipe, job, result, eager, ref64, tolerance, check_grads, initial_buffers)
+        rows, hints, notes = compare_all(pipe, job, result, eager, ref64, tolerance, check_grads, initial_buffers,
+                                         reference)
     timings["total_s"] = time.perf_counter() - started
     report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
                     str(result_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings,
@@ -178,8 +181,19 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     if not report.ok:
         # a factory that builds other weights on each call: no runner can match, whatever the table says
         refuse_unreproducible(factory, f"{len(report.failures)} of {len(report.rows)} tensors failed")
+        with clock("locate_s"):
+            report.first_divergence, report.located = locate(
+                lambda: dataclasses.replace(job, **_fresh(inputs)), run, runner_name,
+                {row_kind(row.name) for row in report.failures}, reference)
+        report.timings["locate_s"] = timings["locate_s"]
         raise EquivalenceError(report.failure_text(), report)
     return report
+
+
+def _fresh(inputs: Any) -> dict[str, Any]:
+    """The job's inputs as the user gave them, copied again (a runner may have written into the last copy)."""
+    clean = inputs.unspoiled()
+    return {"args": clean.args, "kwargs": dict(clean.kwargs)}
 
 
 def _run(run: Runner, runner_name: str, job: Job) -> StepResult:

@@ -13,26 +13,38 @@ eager step changed it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from pipecheck._diagnose import diagnose_grad, diagnose_output, dropped_skip_hint, matches
+from pipecheck._diagnose import (
+    diagnose_grad,
+    diagnose_output,
+    dropped_skip_hint,
+    matches,
+    microbatch_weights,
+    weights_hint,
+)
 from pipecheck._eager import output_name
 from pipecheck._errors import plural
 from pipecheck._job import Job
+from pipecheck._localise import ReferenceByMicrobatch
 from pipecheck._microbatch import split_microbatches
 from pipecheck._numerics import Row, ToleranceLike, compare
 from pipecheck._pipe import Pipe
 from pipecheck._reference import DetachExecutor
+from pipecheck._report import row_kind
 from pipecheck._result import StepResult
 
 
 def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
-                tolerance: ToleranceLike, check_grads: bool, initial_buffers: dict[str, torch.Tensor]
-                ) -> tuple[list[Row], dict[str, str], list[str]]:
+                tolerance: ToleranceLike, check_grads: bool, initial_buffers: dict[str, torch.Tensor],
+                reference: ReferenceByMicrobatch | None = None) -> tuple[list[Row], dict[str, str], list[str]]:
+    """``reference``: the job's micro-batch by micro-batch reference run, shared with the locating step."""
+    reference = reference or ReferenceByMicrobatch(job)
     rows: list[Row] = []
     hints: dict[str, str] = {}
     notes: list[str] = []
@@ -40,14 +52,16 @@ def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref
     rows.append(compare("loss", result.loss, eager.loss, ref64.loss, tolerance, (pipe.num_stages - 1,)))
     _compare_buffers(pipe, job, result, eager, ref64, tolerance, initial_buffers, rows, hints, notes)
     if check_grads:
-        _compare_grads(pipe, job, result, eager, ref64, tolerance, rows, hints)
+        _compare_grads(pipe, job, result, eager, ref64, tolerance, rows, hints, reference)
     return rows, hints, notes + nan_notes(rows)
 
 
 def _compare_grads(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
-                   tolerance: ToleranceLike, rows: list[Row], hints: dict[str, str]) -> None:
+                   tolerance: ToleranceLike, rows: list[Row], hints: dict[str, str],
+                   reference: ReferenceByMicrobatch) -> None:
     _compare_param_grads(pipe, job, result, eager, ref64, tolerance, rows, hints)
     _diagnose_dropped_skips(pipe, job, result, rows, hints)
+    _diagnose_microbatch_weights(job, result, rows, hints, reference)
     for name, e_grad in eager.input_grads.items():
         _grad_row(f"grad input {name}", result.input_grads.get(name), e_grad, ref64.input_grads[name],
                   tolerance, _consumers(pipe, name), job, rows, hints)
@@ -147,12 +161,25 @@ def _compare_outputs(pipe: Pipe, job: Job, result: StepResult, eager: StepResult
         if name not in test_out:
             hints[name] = f"output structure differs: the runner returned {sorted(test_out) or 'no outputs'}"
         elif not row.ok and row.numel and isinstance(test, torch.Tensor):
+            rows[-1] = _with_microbatches(row, test, e_leaf, r_leaf, tolerance, job.n_microbatches)
             hint = diagnose_output(test, r_leaf, job.n_microbatches)
             if hint:
                 hints[name] = hint
     for name in sorted(set(test_out) - set(eager_names)):
         rows.append(Row(name, (), (), False, float("inf"), float("inf"), "-", None, 1, 1,
                         "not an output of the eager model"))
+
+
+def _with_microbatches(row: Row, test: torch.Tensor, eager: torch.Tensor, truth: torch.Tensor,
+                       tolerance: ToleranceLike, n: int) -> Row:
+    """A failing output row, saying which micro-batches fail: each micro-batch's slice of the merged
+    batch compared on its own (an output not merged along a batch dimension is left as it is)."""
+    if n < 2 or test.dim() == 0 or test.shape != eager.shape or test.shape[0] % n:
+        return row
+    size = test.shape[0] // n
+    failing = tuple(mb for mb, (t, e, r) in enumerate(zip(test.split(size), eager.split(size), truth.split(size)))
+                    if not compare(row.name, t, e, r, tolerance).ok)
+    return dataclasses.replace(row, failing_microbatches=failing) if failing else row
 
 
 def _grad_row(name: str, test: Any, e_grad: torch.Tensor, truth: torch.Tensor, tolerance: ToleranceLike,
@@ -220,6 +247,25 @@ def _diagnose_dropped_skips(pipe: Pipe, job: Job, result: StepResult, rows: list
             for fqn in failing:
                 hints[f"grad {fqn}"] = dropped_skip_hint(name, producer, consumer)
             return
+
+
+def _diagnose_microbatch_weights(job: Job, result: StepResult, rows: list[Row], hints: dict[str, str],
+                                 reference: ReferenceByMicrobatch) -> None:
+    """Failing gradients with no hint yet: fit each as a weighted sum of the micro-batches' own eager
+    gradients, and say what the weights mean (one more reference run, only on failure)."""
+    failing = [row.name.removeprefix("grad ") for row in rows
+               if row_kind(row.name) == "grads" and not row.ok and row.numel and row.name not in hints
+               and isinstance(result.grads.get(row.name.removeprefix("grad ")), torch.Tensor)]
+    if not failing or job.n_microbatches < 2:
+        return
+    shares, _ = reference.get()
+    for fqn in failing:
+        if not all(fqn in share for share in shares):
+            continue
+        weights = microbatch_weights(result.grads[fqn], [share[fqn] for share in shares])
+        hint = weights_hint(weights) if weights is not None else None
+        if hint:
+            hints[f"grad {fqn}"] = hint
 
 
 def stage_shares(job: Job) -> list[dict[str, torch.Tensor]]:

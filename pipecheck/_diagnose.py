@@ -75,6 +75,10 @@ def diagnose_output(test: torch.Tensor, truth: torch.Tensor, n_microbatches: int
         moved = ", ".join(f"{i}<-{j}" for i, j in enumerate(source) if i != j)
         return (f"outputs permuted across micro-batches: merged position <- micro-batch: {moved}; "
                 "merge micro-batch outputs in micro-batch order")
+    if source != list(range(n_microbatches)):
+        moved = ", ".join(f"{i}<-{j}" for i, j in enumerate(source) if i != j)
+        return (f"outputs of one micro-batch repeated: merged position <- micro-batch: {moved} (a stage or the "
+                "merge read another micro-batch's value: an index or a FIFO off by one)")
     return None
 
 
@@ -88,3 +92,65 @@ def dropped_skip_hint(name: str, producer: int, consumer: int) -> str:
 def matches(test: torch.Tensor, candidate: torch.Tensor) -> bool:
     """Loose equality for what-if runs (a hint, not a verdict)."""
     return test.shape == candidate.shape and _close(test.detach().cpu(), candidate.detach().cpu(), _rel(test.dtype))
+
+
+def microbatch_weights(test: torch.Tensor, shares: Sequence[torch.Tensor]) -> list[float] | None:
+    """The weights w with ``test = sum_k w_k * shares[k]`` (eager: every w_k = 1), when the shares are
+    independent enough to tell apart and the fit is close; else None."""
+    if len(shares) < 2 or any(share.shape != test.shape for share in shares) or test.numel() <= len(shares):
+        return None
+    basis = torch.stack([_real64(share).flatten() for share in shares], dim=1)
+    target = _real64(test).flatten()
+    if not (bool(torch.isfinite(basis).all()) and bool(torch.isfinite(target).all())):
+        return None
+    singular = torch.linalg.svdvals(basis)
+    if singular[-1].item() <= 1e-6 * singular[0].item():
+        return None  # two micro-batches' gradients (nearly) alike: their weights cannot be told apart
+    weights = torch.linalg.lstsq(basis, target.unsqueeze(1)).solution.squeeze(1)
+    if not _close(basis @ weights, target, _rel(test.dtype)):
+        return None
+    return [float(w) for w in weights]
+
+
+def _near(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-3 * max(1.0, abs(b))
+
+
+def _weight(w: float) -> str:
+    """A fitted weight as read: a whole number where it is one (fit noise dropped), else 3 digits."""
+    return str(round(w) + 0) if _near(w, float(round(w))) else f"{w:.3g}"
+
+
+def _mbs(mbs: Sequence[int]) -> str:
+    return ("micro-batch " if len(mbs) == 1 else "micro-batches ") + ", ".join(map(str, mbs))
+
+
+def weights_hint(weights: Sequence[float]) -> str | None:
+    """What per-micro-batch weights of a gradient mean (eager: 1 each), in words; None if they are eager's."""
+    n = len(weights)
+    if all(_near(w, 1.0) for w in weights):
+        return None
+    shown = "(" + ", ".join(_weight(w) for w in weights) + ")"
+    if all(_near(w, weights[0]) for w in weights):
+        factor = weights[0]
+        if _near(factor, float(n)) or _near(factor, 1.0 / n) or _near(factor, 0.0):
+            return None  # the scaling and zero hints say it
+        return (f"gradient scaling: every micro-batch's gradient is scaled by {factor:.4g} (a uniform factor: a loss "
+                "normalised by the wrong count, such as one micro-batch's tokens instead of the step's, or a loss "
+                "scale not undone)")
+    lost = [k for k, w in enumerate(weights) if _near(w, 0.0)]
+    if lost == list(range(n - 1)) and _near(weights[-1], 1.0):
+        return (f"gradient accumulation: only the last micro-batch's gradient survives, weights {shown} where eager "
+                "has 1 each: gradients were overwritten or zeroed between micro-batches instead of accumulated")
+    meanings = []
+    if lost:
+        meanings.append(f"{_mbs(lost)} missing (never accumulated, or overwritten by a later one)")
+    twice = [k for k, w in enumerate(weights) if _near(w, 2.0)]
+    if twice:
+        meanings.append(f"{_mbs(twice)} counted twice")
+    for k, w in enumerate(weights):
+        if k not in lost and k not in twice and not _near(w, 1.0):
+            first = " (the first accumulation step)" if k == 0 else ""
+            meanings.append(f"micro-batch {k} weighted {_weight(w)}{first}")
+    return (f"gradient accumulation: the gradient is the micro-batches' eager gradients weighted {shown} where "
+            f"eager has 1 each: {'; '.join(meanings)}")

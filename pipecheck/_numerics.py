@@ -73,6 +73,7 @@ class Row:
     numel: int
     note: str = ""  # e.g. "missing", "shape differs", "not a tensor"
     n_nan: int = 0  # elements where the runner has NaN and the reference a number
+    failing_microbatches: tuple[int, ...] | None = None  # an output's micro-batches that fail (None: not split)
 
 
 def _failing_row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], note: str, tol: str) -> Row:

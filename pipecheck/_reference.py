@@ -111,6 +111,23 @@ class DetachExecutor:
             stage_grads=param_grads,
         )
 
+    def microbatch_grads(self, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
+                         loss_fn: LossFn | None = None, target: Any = None, n_microbatches: int = 1
+                         ) -> list[dict[str, torch.Tensor]]:
+        """Each micro-batch's own share of :meth:`step`'s parameter gradients (its loss divided by
+        ``n_microbatches``, as in the step): the shares sum to the step's gradients."""
+        bound = self.pipe.bind_inputs(as_args(args), kwargs)
+        loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
+        shares = []
+        for mb, values in enumerate(split_microbatches(bound, n_microbatches)):
+            forwards = self.forward_microbatch(values)
+            loss = loss_of(mb, pytree.tree_unflatten(list(forwards[-1].outputs), self.pipe.out_spec))
+            param_grads: list[dict[str, torch.Tensor]] = [{} for _ in self.pipe.stages]
+            self.backward_microbatch(mb, forwards, loss, 1.0 / n_microbatches, param_grads,
+                                     [set() for _ in self.pipe.stages], {})
+            shares.append(sum_stage_grads(param_grads))
+        return shares
+
 
 def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value

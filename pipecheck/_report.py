@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from pipecheck._errors import plural
 
 if TYPE_CHECKING:  # only named: the command line reads MAX_LINES without importing torch
+    from pipecheck._boundaries import Divergence
     from pipecheck._numerics import Row
 
 HEADERS = ("tensor", "stage", "shape", "max abs", "max rel", "tolerance", "worst index", "failing")
@@ -45,6 +46,8 @@ def _cells(row: Row) -> tuple[str, ...]:
         return (row.name, stages, shape, "-", "-", row.tolerance, "-", row.note)
     worst = "-" if row.worst_index is None else "(" + ", ".join(map(str, row.worst_index)) + ")"
     failing = f"{row.n_failing}/{row.numel}"
+    if row.failing_microbatches:
+        failing += f" in mb {','.join(map(str, row.failing_microbatches))}"
     return (row.name, stages, shape, _num(row.max_abs), _num(row.max_rel), row.tolerance, worst, failing)
 
 
@@ -183,6 +186,10 @@ class Report:
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what was not compared, and why
     tracer: str = ""  # which tracer made the split: "fx" or "export"
+    # On failure: the earliest boundary value (stage, micro-batch, forward or backward) where the runner
+    # and the reference differ, when the runner's stages could record them; ``located`` says it in words.
+    first_divergence: Divergence | None = None
+    located: str = ""
 
     @property
     def failures(self) -> list[Row]:
@@ -227,12 +234,12 @@ class Report:
         lines (None: every failing row). When rows are left out it says how many fail of each kind and
         on each stage, and ``see_all``: how to see every row (default: ``err.report.table()``)."""
         failures = self.failures
-        whole = self.headline() + "\n\n" + format_table(failures, self.hints) + self._notes()
+        whole = self.headline() + self._located() + "\n\n" + format_table(failures, self.hints) + self._notes()
         if max_lines is None or len(whole.splitlines()) <= max_lines:
             return whole
         # headline, two count lines, blank, table header (2), the line on what was left out, the notes;
         # the budget is for rows and hints: lines counting rows left out between them may take some back
-        budget = max_lines - 7 - self._notes().count("\n")
+        budget = max_lines - 7 - self._notes().count("\n") - self._located().count("\n")
         while True:
             text = self._cut_failures(pick_rows(failures, self.hints, max(budget, 2)), see_all)
             if len(text.splitlines()) <= max_lines or budget <= 2:
@@ -247,12 +254,15 @@ class Report:
         if hints_left_out:
             left_out += f" and {plural(hints_left_out, 'hint')}"
         left_out += f" left out: {see_all or 'print(err.report.table()) shows every row'}"
-        return (self.headline() + f"\nfailing rows by kind:  {_counts(self.rows, 'kind')}"
+        return (self.headline() + self._located() + f"\nfailing rows by kind:  {_counts(self.rows, 'kind')}"
                 f"\nfailing rows by stage: {_counts(self.rows, 'stage')}\n\n"
                 + format_table(shown, self.hints, failures) + "\n" + left_out + self._notes())
 
     def __str__(self) -> str:
         return self.text()
+
+    def _located(self) -> str:
+        return f"\n{self.located}" if self.located and not self.ok else ""
 
     def _notes(self) -> str:
         return "".join(f"\nnote: {note}" for note in self.notes)

@@ -53,3 +53,22 @@ def _sleep_on_rank_1(x: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_rank() == 1:
         time.sleep(600)
     return x
+
+
+class WrongOnRank1(nn.Module):
+    """A model whose second stage adds 1 to its output on rank 1 only: the driver's eager and reference
+    runs are right, pipecheck's runtime is wrong on stage 1 (a stand-in for an engine bug)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _plus_one_on_rank_1(self.b(self.a(x)))
+
+
+@torch.fx.wrap
+def _plus_one_on_rank_1(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    return x + 1 if dist.is_initialized() and dist.get_rank() == 1 else x

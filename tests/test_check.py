@@ -285,10 +285,11 @@ def test_failure_report_text() -> None:
                              dtype=torch.float64)
     assert_expected_inline(str(info.value), """\
 pipecheck: runner 'tied_unsynced_and_outputs_reversed' does not match eager (2 of 4 tensors fail; tolerance auto, float64, 2 stages split by fx, 2 micro-batches)
+no boundary value diverges (14 values the stages received and sent, forward and backward, match the reference): the outputs or the loss are wrong although the last stage computed them right: the bug is in how the engine merges the micro-batches' outputs or computes the loss from them; and the bug is in how the engine handles gradients after computing them (accumulation, scaling, reduction, tied replicas), not in its dataflow
 
 tensor           stage  shape   max abs   max rel   tolerance                        worst index  failing
----------------  -----  ------  --------  --------  -------------------------------  -----------  -------
-output           1      (4, 2)  1.00e+01  5.00e+00  auto: atol 4.9e-15 rtol 4.4e-16  (1, 0)       8/8
+---------------  -----  ------  --------  --------  -------------------------------  -----------  -------------
+output           1      (4, 2)  1.00e+01  5.00e+00  auto: atol 4.9e-15 rtol 4.4e-16  (1, 0)       8/8 in mb 0,1
   hint: outputs permuted across micro-batches: merged position <- micro-batch: 0<-1, 1<-0; merge micro-batch outputs in micro-batch order
 grad emb.weight  0,1    (2, 2)  3.50e+00  1.00e+00  auto: atol 3.3e-15 rtol 4.4e-16  (0, 1)       4/4
   hint: tied parameter not synchronised: gradient equals stage 1's share only; stages 0, 1 hold replicas and their gradients must be summed (all-reduce)""")

@@ -74,6 +74,7 @@ class BaseRunner:
     bug: ClassVar[str] = "none: the correct runner"
     applies_to: ClassVar[tuple[str, ...]] = ALL
     hint: ClassVar[str | None] = None  # expected in the hint of the first expected tensor
+    located: ClassVar[str] = ""  # expected in the report's first-divergence line, on every model it applies to
 
     def expect(self, model: str) -> tuple[str, ...]:
         """Tensors the check must name as failing on ``model`` (empty: the check must pass)."""
@@ -224,6 +225,7 @@ def _merge_input_grads(grads: Mapping[tuple[str, int], LeafGrads], mbs: list[int
 
 class TiedOneStage(BaseRunner):
     name = "tied_one_stage"
+    located = 'how the engine handles gradients after computing them'
     bug = "tied parameter's gradient taken from its first stage only (no all-reduce)"
     applies_to = TIED
     hint = "tied parameter not synchronised"
@@ -243,6 +245,7 @@ class TiedOneStage(BaseRunner):
 
 class TiedSummedTwice(BaseRunner):
     name = "tied_summed_twice"
+    located = 'how the engine handles gradients after computing them'
     bug = "tied replicas all-reduced, then the all-reduced copies summed again"
     applies_to = TIED
 
@@ -257,6 +260,7 @@ class TiedSummedTwice(BaseRunner):
 
 class SkipGradDropped(BaseRunner):
     name = "skip_grad_dropped"
+    located = 'received the gradient of'
     bug = "an output's gradient taken from the next stage only; the skip connection's is dropped"
     applies_to = SKIPS
     hint = "skip-connection gradient dropped"
@@ -275,6 +279,7 @@ class SkipGradDropped(BaseRunner):
 
 class SkipWrongMicrobatch(BaseRunner):
     name = "skip_wrong_microbatch"
+    located = '(from stage 0) in the forward'
     bug = "a skip connection's value read from the next micro-batch (a FIFO popped once too often)"
     applies_to = SKIPS
 
@@ -287,6 +292,7 @@ class SkipWrongMicrobatch(BaseRunner):
 
 class MergeReversed(BaseRunner):
     name = "merge_reversed"
+    located = "merges the micro-batches' outputs"
     bug = "micro-batch outputs merged in reverse order"
     hint = "outputs permuted across micro-batches"
 
@@ -299,6 +305,7 @@ class MergeReversed(BaseRunner):
 
 class GradNotScaled(BaseRunner):
     name = "grad_not_scaled"
+    located = 'in the backward: micro-batches 0, 1, 2, 3 differ'
     bug = "micro-batch losses not divided by n_microbatches"
     hint = "gradient scaling"
 
@@ -311,6 +318,7 @@ class GradNotScaled(BaseRunner):
 
 class GradScaledTwice(BaseRunner):
     name = "grad_scaled_twice"
+    located = 'in the backward: micro-batches 0, 1, 2, 3 differ'
     bug = "gradients divided by n_microbatches twice (loss and gradients both scaled)"
     hint = "gradient scaling"
 
@@ -323,6 +331,7 @@ class GradScaledTwice(BaseRunner):
 
 class KwargDefaultLater(BaseRunner):
     name = "kwarg_default_later"
+    located = '(a model input) in the forward'
     bug = "a keyword input reaches later stages as its default (None -> zeros), not the passed value"
     applies_to = KWARGS
 
@@ -340,6 +349,7 @@ class BufferNotCarried(BaseRunner):
     hold a zero-initialised copy (their state was never sent)."""
 
     name = "buffer_not_carried"
+    located = "stage 2 sent 'output' in the forward"
     bug = "a buffer shared by several stages is carried to its first stage only; later stages see zeros"
     applies_to = ("buffers",)
 
@@ -363,6 +373,7 @@ class BufferUpdateNotCarried(BaseRunner):
     micro-batch run on a fresh copy of the stage's state): only the last one's update survives."""
 
     name = "buffer_update_not_carried"
+    located = 'the state the engine keeps across micro-batches'
     bug = "buffers a forward updates (BatchNorm statistics, a running average) reset for every micro-batch"
     applies_to = ("running_stats",)
     hint = "holds micro-batch 3's update alone"
@@ -385,6 +396,8 @@ class BufferUpdateNotCarried(BaseRunner):
 
 class GradOverwritten(BaseRunner):
     name = "grad_overwritten"
+    hint = "only the last micro-batch's gradient survives"
+    located = 'how the engine handles gradients after computing them'
     bug = "a stage's parameter gradients overwritten by each micro-batch instead of accumulated"
 
     def expect(self, model: str) -> tuple[str, ...]:
@@ -396,6 +409,7 @@ class GradOverwritten(BaseRunner):
 
 class LastMicrobatchDropped(BaseRunner):
     name = "last_microbatch_dropped"
+    located = 'micro-batch 3 never reached it'
     bug = "the schedule's loop stops one micro-batch early"
 
     def expect(self, model: str) -> tuple[str, ...]:
@@ -431,6 +445,7 @@ class AliasedRecvBuffer(BaseRunner):
     check never sees it."""
 
     name = "aliased_recv_buffer"
+    located = "changed before that micro-batch's backward"
     bug = "a received activation kept by reference to a reused receive buffer (overwritten in place)"
     # Not buffers: each boundary value there feeds only ops whose backward never reads it again
     # (``h * scale``, ``h + c``), so the clobbered buffer is harmless and the step is correct.
@@ -462,6 +477,7 @@ class AliasedRecvBuffer(BaseRunner):
 
 class Bf16Boundary(BaseRunner):
     name = "bf16_boundary"
+    located = 'stage 1 received'
     bug = "activations sent in bfloat16 and cast back (an fp32 run)"
 
     def expect(self, model: str) -> tuple[str, ...]:

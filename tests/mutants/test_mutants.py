@@ -42,6 +42,10 @@ def test_mutant_is_caught(runner: BaseRunner, model: str) -> None:
     hint = runner.expected_hint(model)
     if hint is not None:
         assert hint in report.hints.get(expected[0], ""), report.hints
+    # where it went wrong, above the table: the first divergent boundary value, or why there is none
+    assert runner.located, f"{runner.name} declares no first-divergence line"
+    assert runner.located in report.located, report.located
+    assert str(caught.value).splitlines()[1] == report.located
 
 
 def test_suite_covers_every_planted_bug() -> None:

@@ -106,6 +106,8 @@ class WeightRunTwice(ZeroBubbleRunner):
     weight gradients are simply counted twice."""
 
     name = "weight_run_twice"
+    located = 'how the engine handles gradients after computing them'
+    hint = "micro-batch 0 counted twice"
     bug = "a W action run twice (graphs retained, so nothing raises): micro-batch 0's weight gradients added again"
 
     def expect(self, model: str) -> tuple[str, ...]:
@@ -131,6 +133,7 @@ class WeightDropped(ZeroBubbleRunner):
     stage's last W never runs. Outputs and loss are right; only weight gradients are short."""
 
     name = "weight_dropped"
+    located = 'micro-batch 3 never reached it'
     bug = "a W action dropped (the action loop stops one early): the last micro-batch's weight gradients missing"
 
     def expect(self, model: str) -> tuple[str, ...]:
@@ -146,6 +149,7 @@ class WeightCrossesMicrobatches(ZeroBubbleRunner):
     rank r defers W by r micro-batches, so stage 1's W pairs with a later micro-batch's gradient."""
 
     name = "weight_crosses_microbatches"
+    located = 'how the engine handles gradients after computing them'
     bug = "an I/W pair crossing micro-batches: W seeded with the latest I's output gradient, not its own"
     EXPECT: ClassVar[dict[str, str]] = STAGE_1_PARAM  # stage 1: the first whose W are deferred
 

@@ -1,0 +1,96 @@
+"""Where a failing check first went wrong: its runner's boundary values against the reference's.
+
+    reference = ReferenceByMicrobatch(job)       # shared with the weight-fitting hint
+    divergence, line = locate(fresh_job, run, "mutant:skip_wrong_microbatch", {"outputs", "grads"}, reference)
+    divergence.stage, divergence.microbatches, divergence.direction   # 2, (0, 1, 2, 3), "forward"
+
+Only after a failure: the job runs once more through the reference (micro-batch by micro-batch) and
+once more through the runner, both with ``job.boundaries`` set, so every stage module of
+``job.split()`` records what it received and sent. A runner that runs its own split (torch's pipelining, DeepSpeed, torchtitan) records
+nothing, and the note says so instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Collection
+
+import torch
+
+from pipecheck._boundaries import (
+    Boundaries,
+    Divergence,
+    first_divergence,
+    overwritten_text,
+    recording,
+)
+from pipecheck._errors import plural
+from pipecheck._job import Job, Runner
+from pipecheck._reference import DetachExecutor
+from pipecheck._result import StepResult
+
+# Built-in runners that cut the model themselves: their stage modules are not job.split()'s.
+OWN_SPLIT = frozenset({"torch", "deepspeed", "torchtitan"})
+
+
+class ReferenceByMicrobatch:
+    """One reference run of a failing job, made on first use: each micro-batch's own share of the
+    parameter gradients (what the weight-fitting hint reads) and, recorded on the way, the boundary
+    values a runner's are lined up with."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self._made: tuple[list[dict[str, torch.Tensor]], Boundaries] | None = None
+
+    def get(self) -> tuple[list[dict[str, torch.Tensor]], Boundaries]:
+        if self._made is None:
+            job, truth = self.job, Boundaries()
+            # the check's own split, its buffers put back after (a run changes only buffers): no copy to make
+            with (job.pipe.buffers_restored() if job.pipe is not None else contextlib.nullcontext(job.split())
+                  ) as pipe, recording(pipe, truth):
+                shares = DetachExecutor(pipe).microbatch_grads(job.args, job.kwargs, loss_fn=job.loss_fn,
+                                                               target=job.target, n_microbatches=job.n_microbatches)
+            self._made = shares, truth
+        return self._made
+
+
+def locate(fresh_job: Callable[[], Job], run: Runner, runner_name: str, failing_kinds: Collection[str],
+           reference: ReferenceByMicrobatch | None = None) -> tuple[Divergence | None, str]:
+    """The first divergent boundary value (or None) and a line for the report; ``failing_kinds``:
+    which of "outputs", "loss", "buffers", "grads" have failing rows."""
+    if runner_name in OWN_SPLIT:
+        return None, (f"runner {runner_name!r} runs its own split of the model, so its boundary values cannot be "
+                      "lined up with the reference's; the rows below are the evidence")
+    _, truth = (reference or ReferenceByMicrobatch(fresh_job())).get()
+    job = fresh_job()
+    recorded = Boundaries()
+    job = fresh_job()
+    try:
+        result = run(dataclasses.replace(job, boundaries=recorded, trace_path=None))  # the user's trace is the check's
+    except Exception as err:  # the verdict stands; only the diagnosis is lost
+        return None, f"the divergence was not located: running the job again to record it failed ({type(err).__name__}: {err})"
+    values = result.boundaries if isinstance(result, StepResult) and result.boundaries else recorded.values
+    if not values:
+        return None, ("the divergence was not located: the runner recorded no boundary values (run the stage modules "
+                      "of job.split(), or record them with job.boundaries.record and return them in "
+                      "StepResult.boundaries)")
+    pipe = job.structure()
+    found = first_divergence(pipe, values, truth.values, job.n_microbatches)
+    if found is not None:
+        return found, found.text()
+    if recorded.overwritten:
+        return None, overwritten_text(recorded.overwritten)
+    counted = plural(len(truth.values), "value")
+    causes = []
+    if "outputs" in failing_kinds or "loss" in failing_kinds:
+        causes.append("the outputs or the loss are wrong although the last stage computed them right: the bug is in "
+                      "how the engine merges the micro-batches' outputs or computes the loss from them")
+    if "grads" in failing_kinds:
+        causes.append("the bug is in how the engine handles gradients after computing them (accumulation, scaling, "
+                      "reduction, tied replicas), not in its dataflow")
+    if not causes:
+        causes.append("the bug is in the state the engine keeps across micro-batches (buffers), not in its dataflow")
+    where = "; and ".join(causes)
+    return None, (f"no boundary value diverges ({counted} the stages received and sent, forward and backward, "
+                  f"match the reference): {where}")
