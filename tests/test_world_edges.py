@@ -108,9 +108,17 @@ import pipecheck as pc
 
 if __name__ == "__main__":
     with pc.World(2, start_timeout=120) as world:
-        print(*world.run(_world_jobs.pid), flush=True)
+        print("driver:", *world.run(_world_jobs.pid), flush=True)
         time.sleep(600)
 """
+
+
+def _driver_says(driver: subprocess.Popen[str]) -> list[str]:
+    """The driver script's own line (the ranks share its stdout: gloo may print there first)."""
+    for line in driver.stdout:  # type: ignore[union-attr]
+        if line.startswith("driver: "):
+            return line.split()[1:]
+    raise AssertionError(f"the driver exited ({driver.wait(timeout=30)}) without printing its line")
 
 
 def test_ranks_exit_when_their_driver_is_killed_and_left_a_zombie(tmp_path: Path) -> None:
@@ -118,7 +126,7 @@ def test_ranks_exit_when_their_driver_is_killed_and_left_a_zombie(tmp_path: Path
     script.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
     driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        ranks = [int(pid) for pid in driver.stdout.readline().split()]  # type: ignore[union-attr]
+        ranks = [int(pid) for pid in _driver_says(driver)]
         assert len(ranks) == 2
         driver.kill()  # SIGKILL, and not reaped: the driver stays a zombie while we look
         deadline = time.monotonic() + 30
@@ -140,7 +148,7 @@ import pipecheck as pc
 if __name__ == "__main__":
     {own_handler}
     world = pc.World(2, start_timeout=120)
-    print(world._ranks.tmpdir, *world.run(_world_jobs.pid), flush=True)
+    print("driver:", world._ranks.tmpdir, *world.run(_world_jobs.pid), flush=True)
     time.sleep(600)
 """
 
@@ -152,7 +160,7 @@ def test_sigterm_to_the_driver_cleans_up_like_ctrl_c(tmp_path: Path, own_handler
     script.write_text(SIGTERMED.format(tests=str(Path(__file__).parent), own_handler=handler))
     driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        folder, *ranks = driver.stdout.readline().split()  # type: ignore[union-attr]
+        folder, *ranks = _driver_says(driver)
         driver.terminate()
         assert driver.wait(timeout=60) == (7 if own_handler else -15)  # the user's handler is kept
         deadline = time.monotonic() + 30
