@@ -137,33 +137,44 @@ def recording(pipe: Pipe, recorder: Boundaries) -> Iterator[Pipe]:
 
 
 def _instrument_stage(stage: Stage, out_names: list[str], recorder: Boundaries) -> list[RemovableHandle]:
-    in_names = [src.name for src in stage.inputs]
+    return instrument_module(stage.module, stage.index, [src.name for src in stage.inputs], out_names, recorder)
+
+
+def instrument_module(module: torch.nn.Module, stage: int, in_names: list[str], out_names: list[str],
+                      recorder: Boundaries) -> list[RemovableHandle]:
+    """Record the boundary values of ``module``, stage ``stage`` of some split: its positional inputs
+    named ``in_names`` (keyword inputs by their keywords), its outputs (a tuple or list, or one value)
+    named ``out_names``."""
     current: list[int] = []  # the micro-batch of the forward under way
 
-    def before(_module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if _not_a_microbatch(args):
+    def before(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _not_a_microbatch((args, kwargs)):
             current.clear()
             return None
-        mb = recorder.forwards.get(stage.index, 0)
-        recorder.forwards[stage.index] = mb + 1
+        mb = recorder.forwards.get(stage, 0)
+        recorder.forwards[stage] = mb + 1
         current[:] = [mb]
-        for name, value in zip(in_names, args):
-            recorder.record(stage.index, mb, "received", name, value)
-        return tuple(_tapped(value, recorder, stage.index, mb, "grad sent", name)
+        named = list(zip(in_names, args)) + list(kwargs.items())
+        for name, value in named:
+            recorder.record(stage, mb, "received", name, value)
+        args = tuple(_tapped(value, recorder, stage, mb, "grad sent", name)
                      for name, value in zip(in_names, args)) + args[len(in_names):]
+        kwargs = {name: _tapped(value, recorder, stage, mb, "grad sent", name) for name, value in kwargs.items()}
+        return args, kwargs
 
     def after(_module: Any, _args: tuple[Any, ...], outputs: Any) -> Any:
         if not current:
             return None
         mb = current.pop()
-        values = list(outputs)
+        several = isinstance(outputs, (tuple, list))
+        values = list(outputs) if several else [outputs]
         for name, value in zip(out_names, values):
-            recorder.record(stage.index, mb, "sent", name, value)
-        tapped = [_tapped(value, recorder, stage.index, mb, "grad received", name)
+            recorder.record(stage, mb, "sent", name, value)
+        tapped = [_tapped(value, recorder, stage, mb, "grad received", name)
                   for name, value in zip(out_names, values)] + values[len(out_names):]
-        return type(outputs)(tapped) if isinstance(outputs, (tuple, list)) else tapped
+        return type(outputs)(tapped) if several else tapped[0]
 
-    return [stage.module.register_forward_pre_hook(before), stage.module.register_forward_hook(after)]
+    return [module.register_forward_pre_hook(before, with_kwargs=True), module.register_forward_hook(after)]
 
 
 @dataclass(frozen=True)
@@ -234,32 +245,48 @@ def diverges(test: torch.Tensor, truth: torch.Tensor) -> tuple[bool, float, floa
     return error > rel * scale, error, relative
 
 
-def _order(pipe: Pipe) -> Iterator[tuple[int, str]]:
-    for stage in range(pipe.num_stages):
+def _order(num_stages: int) -> Iterator[tuple[int, str]]:
+    for stage in range(num_stages):
         yield stage, "received"
         yield stage, "sent"
-    for stage in reversed(range(pipe.num_stages)):
+    for stage in reversed(range(num_stages)):
         yield stage, "grad received"
         yield stage, "grad sent"
 
 
-def overwritten_text(overwritten: Mapping[BoundaryKey, float]) -> str:
-    """What the first received value that changed under its stage's saved activations says."""
-    (stage, mb, _, name), change = min(overwritten.items())
-    others = len(overwritten) - 1
-    more = f" ({plural(others, 'more value')} too)" if others else ""
-    return (f"first divergence: stage {stage} received {name!r} for micro-batch {mb} right, but it changed before "
-            f"that micro-batch's backward (by up to {change:.2e}){more}: the tensor the stage saved for backward was "
-            "overwritten in place, as a receive buffer reused for the next micro-batch is; give each in-flight "
-            "micro-batch its own buffer, or copy what was received")
+def producers_of(pipe: Pipe) -> dict[tuple[int, str], int | None]:
+    """(consuming stage, value name) -> the stage that made it (None: a model input)."""
+    return {(s.index, src.name): src.stage for s in pipe.stages for src in s.inputs}
 
 
-def first_divergence(pipe: Pipe, test: Mapping[BoundaryKey, torch.Tensor],
-                     truth: Mapping[BoundaryKey, torch.Tensor], n_microbatches: int) -> Divergence | None:
+def backward_scale(test: Mapping[BoundaryKey, torch.Tensor], truth: Mapping[BoundaryKey, torch.Tensor]) -> float:
+    """The one factor c with every backward boundary value = c x the reference's, when there is one
+    and it is not 1 (an engine that scales the loss later, as torch's schedules do with
+    ``scale_grads``: its boundary gradients are n times the reference's, and still right); else 1."""
+    keys = [key for key in truth if key[2] in ("grad received", "grad sent") and key in test
+            and test[key].shape == truth[key].shape and test[key].is_floating_point()
+            and truth[key].is_floating_point()]
+    if not keys:
+        return 1.0
+    dot = sum(float((test[k].double() * truth[k].double()).sum()) for k in keys)
+    norm = sum(float((truth[k].double() ** 2).sum()) for k in keys)
+    if not norm > 0 or not dot > 0:
+        return 1.0
+    scale = dot / norm
+    if abs(scale - 1.0) <= 1e-3 or any(diverges(test[k], (truth[k].double() * scale).to(truth[k].dtype))[0]
+                                       for k in keys):
+        return 1.0
+    return scale
+
+
+def first_divergence(test: Mapping[BoundaryKey, torch.Tensor], truth: Mapping[BoundaryKey, torch.Tensor],
+                     n_microbatches: int, num_stages: int, producers: Mapping[tuple[int, str], int | None]
+                     ) -> tuple[Divergence | None, float]:
     """The earliest (stage, point) in dataflow order where some value of some micro-batch differs
-    from the reference's, or the runner recorded nothing for a micro-batch the reference has."""
-    producers = {(s.index, src.name): src.stage for s in pipe.stages for src in s.inputs}
-    for stage, point in _order(pipe):
+    from the reference's, or the runner recorded nothing for a micro-batch the reference has; and the
+    factor the backward's values were compared under (see :func:`backward_scale`)."""
+    scale = backward_scale(test, truth)
+    for stage, point in _order(num_stages):
         names = list(dict.fromkeys(key[3] for key in truth if key[0] == stage and key[2] == point))
         found: list[tuple[str, list[int], list[int], list[int], float, float]] = []
         for name in names:
@@ -274,7 +301,10 @@ def first_divergence(pipe: Pipe, test: Mapping[BoundaryKey, torch.Tensor],
                 if key not in test:
                     missing.append(mb)
                     continue
-                differs, error, relative = diverges(test[key], truth[key])
+                expected = truth[key]
+                if scale != 1.0 and point.startswith("grad"):
+                    expected = (expected.double() * scale).to(expected.dtype)
+                differs, error, relative = diverges(test[key], expected)
                 (bad if differs else good).append(mb)
                 if differs:
                     worst, worst_rel = max(worst, error), max(worst_rel, relative)
@@ -286,5 +316,17 @@ def first_divergence(pipe: Pipe, test: Mapping[BoundaryKey, torch.Tensor],
             producer = producers.get((stage, base), stage) if point in ("received", "grad sent") else stage
             return Divergence(stage, "forward" if point in ("received", "sent") else "backward", point, name,
                               producer, tuple(bad), tuple(good), tuple(missing),
-                              error if bad else float("inf"), relative if bad else float("inf"), len(found) - 1)
-    return None
+                              error if bad else float("inf"), relative if bad else float("inf"),
+                              len(found) - 1), scale
+    return None, scale
+
+
+def overwritten_text(overwritten: Mapping[BoundaryKey, float]) -> str:
+    """What the first received value that changed under its stage's saved activations says."""
+    (stage, mb, _, name), change = min(overwritten.items())
+    others = len(overwritten) - 1
+    more = f" ({plural(others, 'more value')} too)" if others else ""
+    return (f"first divergence: stage {stage} received {name!r} for micro-batch {mb} right, but it changed before "
+            f"that micro-batch's backward (by up to {change:.2e}){more}: the tensor the stage saved for backward was "
+            "overwritten in place, as a receive buffer reused for the next micro-batch is; give each in-flight "
+            "micro-batch its own buffer, or copy what was received")

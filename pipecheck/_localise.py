@@ -23,6 +23,7 @@ from pipecheck._boundaries import (
     Divergence,
     first_divergence,
     overwritten_text,
+    producers_of,
     recording,
 )
 from pipecheck._errors import plural
@@ -30,8 +31,9 @@ from pipecheck._job import Job, Runner
 from pipecheck._reference import DetachExecutor
 from pipecheck._result import StepResult
 
-# Built-in runners that cut the model themselves: their stage modules are not job.split()'s.
-OWN_SPLIT = frozenset({"torch", "deepspeed", "torchtitan"})
+# Built-in runners that cut the model themselves: their stage modules are not job.split()'s (torch's
+# are lined up with a run of torch's own split instead).
+OWN_SPLIT = frozenset({"deepspeed", "torchtitan"})
 
 
 class ReferenceByMicrobatch:
@@ -62,10 +64,20 @@ def locate(fresh_job: Callable[[], Job], run: Runner, runner_name: str, failing_
     if runner_name in OWN_SPLIT:
         return None, (f"runner {runner_name!r} runs its own split of the model, so its boundary values cannot be "
                       "lined up with the reference's; the rows below are the evidence")
-    _, truth = (reference or ReferenceByMicrobatch(fresh_job())).get()
     job = fresh_job()
+    if runner_name == "torch":  # torch cuts and names the values itself: its own split, run here, is the truth
+        from pipecheck._torch_runner import torch_reference_boundaries
+
+        try:
+            truth, producers = torch_reference_boundaries(job)
+        except Exception as err:
+            return None, f"the divergence was not located: torch's split could not be run here ({type(err).__name__}: {err})"
+        job = fresh_job()
+    else:
+        _, truth = (reference or ReferenceByMicrobatch(job)).get()
+        producers = producers_of(job.structure())
+        job = fresh_job()
     recorded = Boundaries()
-    job = fresh_job()
     try:
         result = run(dataclasses.replace(job, boundaries=recorded, trace_path=None))  # the user's trace is the check's
     except Exception as err:  # the verdict stands; only the diagnosis is lost
@@ -75,13 +87,19 @@ def locate(fresh_job: Callable[[], Job], run: Runner, runner_name: str, failing_
         return None, ("the divergence was not located: the runner recorded no boundary values (run the stage modules "
                       "of job.split(), or record them with job.boundaries.record and return them in "
                       "StepResult.boundaries)")
-    pipe = job.structure()
-    found = first_divergence(pipe, values, truth.values, job.n_microbatches)
+    found, scale = first_divergence(values, truth.values, job.n_microbatches, job.structure().num_stages, producers)
+    return _said(found, scale, recorded, len(truth.values), failing_kinds)
+
+
+def _said(found: Divergence | None, scale: float, recorded: Boundaries, counted: int,
+          failing_kinds: Collection[str]) -> tuple[Divergence | None, str]:
+    scaled = (f"; every gradient crossing a stage is {scale:.4g} times the reference's: the loss is scaled by "
+              f"{scale:.4g}, which the parameter gradients must undo" if scale != 1.0 else "")
     if found is not None:
-        return found, found.text()
+        return found, found.text() + (f" (backward compared up to its one factor {scale:.4g})" if scale != 1.0 else "")
     if recorded.overwritten:
         return None, overwritten_text(recorded.overwritten)
-    counted = plural(len(truth.values), "value")
+    values_said = plural(counted, "value")
     causes = []
     if "outputs" in failing_kinds or "loss" in failing_kinds:
         causes.append("the outputs or the loss are wrong although the last stage computed them right: the bug is in "
@@ -92,5 +110,5 @@ def locate(fresh_job: Callable[[], Job], run: Runner, runner_name: str, failing_
     if not causes:
         causes.append("the bug is in the state the engine keeps across micro-batches (buffers), not in its dataflow")
     where = "; and ".join(causes)
-    return None, (f"no boundary value diverges ({counted} the stages received and sent, forward and backward, "
-                  f"match the reference): {where}")
+    return None, (f"no boundary value diverges ({values_said} the stages received and sent, forward and backward, "
+                  f"match the reference{scaled}): {where}")

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._autograd_functions import functions_as_calls, functions_in_export
+from pipecheck._boundaries import Boundaries, BoundaryKey, instrument_module
 from pipecheck._errors import RankError, plural
 from pipecheck._inputs import cast_inputs
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
@@ -58,6 +59,7 @@ class TorchStepSpec:
     # itself pickles only with a deprecation warning, so it travels as treespec_dumps text
     torch_class: str  # torch's schedule class, chosen on the driver (pipecheck._torch_schedules.torch_layout)
     stage_to_rank: tuple[int, ...]  # where each stage runs
+    record: bool = False  # record boundary values (a failing check's second run, to find where it diverges)
 
     @property
     def out_spec(self) -> pytree.TreeSpec:
@@ -76,6 +78,7 @@ class TorchRankResult:
     buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> after the step
     unmapped: list[str] = field(default_factory=list)  # stage parameter names with no original FQN
     failure: RankError | None = None  # this rank failed before communicating
+    boundaries: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)  # when the spec says record
 
 
 def _translate_markers(keep: bool, traced: list[fx.GraphModule] | None = None
@@ -257,29 +260,56 @@ class _Prepared:
     buffer_names: tuple[dict[str, str], dict[int, str]]
     n_stages: int
     named_inputs: dict[str, Any]  # the model's inputs by parameter name, as given to torch's step
+    recorder: Boundaries | None = None
 
 
-def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
-    """Trace with torch's ``pipeline()``, build this rank's stages and the schedule (no communication)."""
+AliasTable = tuple[dict[str, str], dict[int, str]]
+
+
+def torch_pipe(spec: TorchStepSpec, device: torch.device) -> tuple[nn.Module, Any, AliasTable, AliasTable]:
+    """The model and torch's Pipe of it, built on ``device`` and cut by torch's ``pipeline()`` as the ranks cut
+    it (the same trace on every rank, and in the driver when it locates a failure), with the model's
+    parameter and buffer alias tables taken before torch traced it."""
     from torch.distributed.pipelining import pipeline
 
-    n = spec.n_microbatches
-    factory = spec.model.on(ctx.device) if isinstance(spec.model, ModelFactory) else spec.model
+    factory = spec.model.on(device) if isinstance(spec.model, ModelFactory) else spec.model
     model = factory()
-    names, by_id = _alias_table(model)
-    buffer_names = _alias_table(model, buffers=True)
+    params, buffers = _alias_table(model), _alias_table(model, buffers=True)
     _hook_cuts(model, spec.module_cuts)
-    args, kwargs = cast_inputs((tuple(spec.args), dict(spec.kwargs)), None, ctx.device)
-    mb_args, mb_kwargs = split_microbatches((args, kwargs), n)[0]
-    chunk_specs = _chunk_specs(args, kwargs)  # Replicated inputs are whole in every chunk
-    args, kwargs = unwrap_replicated((args, kwargs))
-    ctx.action = "pipeline() trace"
+    args, kwargs = cast_inputs((tuple(spec.args), dict(spec.kwargs)), None, device)
+    mb_args, mb_kwargs = split_microbatches((args, kwargs), spec.n_microbatches)[0]
     traced: list[fx.GraphModule] = []
     with torch_internal_warnings_ignored():  # pipeline() exports and deep-copies TreeSpecs
         with functions_in_export() as functions:  # pipeline() exports: keep custom Functions' backward
             pipe = pipeline(model, tuple(mb_args), dict(mb_kwargs),
                             split_policy=_translate_markers(spec.keep_markers, traced))
     functions.refuse_lost(model, traced[0].graph)
+    return model, pipe, params, buffers
+
+
+def stage_submodule(pipe: Any, stage: int) -> fx.GraphModule:
+    """Stage ``stage``'s module in torch's split (``submod_pp_<i>`` from torch 2.13 on, ``submod_<i>`` before)."""
+    gm = pipe.split_gm
+    return getattr(gm, f"submod_pp_{stage}") if hasattr(gm, f"submod_pp_{stage}") else getattr(gm, f"submod_{stage}")
+
+
+def instrument_torch_stage(submod: fx.GraphModule, stage: int, recorder: Boundaries) -> list[Any]:
+    """Record a torch stage module's boundary values, named as torch's split names them (its
+    placeholders; the nodes its output returns)."""
+    in_names = [node.name for node in submod.graph.nodes if node.op == "placeholder"]
+    output = next(node for node in submod.graph.nodes if node.op == "output")
+    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    out_names = [node.name if isinstance(node, fx.Node) else f"out{i}" for i, node in enumerate(returned)]
+    return instrument_module(submod, stage, in_names, out_names, recorder)
+
+
+def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
+    """Trace with torch's ``pipeline()``, build this rank's stages and the schedule (no communication)."""
+    ctx.action = "pipeline() trace"
+    model, pipe, (names, by_id), buffer_names = torch_pipe(spec, ctx.device)
+    args, kwargs = cast_inputs((tuple(spec.args), dict(spec.kwargs)), None, ctx.device)
+    chunk_specs = _chunk_specs(args, kwargs)  # Replicated inputs are whole in every chunk
+    args, kwargs = unwrap_replicated((args, kwargs))
     if pipe.num_stages != spec.n_stages:
         raise TorchStepError(f"torch's pipeline() cut the model into {plural(pipe.num_stages, 'stage')} where "
                              f"pipecheck cut {spec.n_stages}")
@@ -299,13 +329,17 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
                if 0 <= s < pipe.num_stages):
             v_warmup_patch(stage, stage.group_rank)  # a neighbour stage on this rank: the turn of a V
     target = cast_inputs(spec.target, None, ctx.device)
-    torch_target, by_index = _torch_target(target, n, ctx.device)
+    torch_target, by_index = _torch_target(target, spec.n_microbatches, ctx.device)
     loss = _LossOfMicrobatch(spec, target, by_index)
     ctx.action = "schedule"
     schedule = _schedule(spec, stages, loss, chunk_specs)
     named_inputs = dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
+    recorder = Boundaries() if spec.record else None
+    if recorder is not None:
+        for stage in stages:
+            instrument_torch_stage(stage.submod, stage.stage_index, recorder)
     return _Prepared(stages, schedule, spec.out_spec, torch_target, tuple(args), dict(kwargs), names, by_id,
-                     buffer_names, pipe.num_stages, named_inputs)
+                     buffer_names, pipe.num_stages, named_inputs, recorder)
 
 
 def _leaf_paths(out_spec: pytree.TreeSpec) -> list[str]:
@@ -330,6 +364,8 @@ def _step(ctx: RankContext, prep: _Prepared) -> TorchRankResult:
     if first:  # torch accumulates into the full-batch inputs through the chunks (views) it made
         result.input_grads = {name: value.grad.detach().cpu() for name, value in prep.named_inputs.items()
                               if isinstance(value, torch.Tensor) and value.grad is not None}
+    if prep.recorder is not None:
+        result.boundaries = dict(prep.recorder.values)
     for stage in prep.stages:
         result.stage_grads[stage.stage_index], unmapped = stage_grads(stage.submod, prep.names, prep.by_id)
         result.unmapped += unmapped

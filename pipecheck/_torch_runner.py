@@ -48,10 +48,13 @@ as :class:`pipecheck.EngineError`: torch's message, then the rank and stage.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from pipecheck._boundaries import Boundaries
 from pipecheck._errors import (
     AdapterError,
     EngineError,
@@ -62,8 +65,10 @@ from pipecheck._errors import (
     WorldError,
     first_line,
 )
+from pipecheck._inputs import cast_inputs
 from pipecheck._job import Job
 from pipecheck._markers import SplitPoint
+from pipecheck._microbatch import split_microbatches, unwrap_replicated
 from pipecheck._pipe import COMPUTE_OPS, Pipe
 from pipecheck._result import StepResult
 from pipecheck._runners import (
@@ -74,9 +79,19 @@ from pipecheck._runners import (
     timeout_error,
     world_for,
 )
-from pipecheck._torch_rank import TorchRankResult, TorchStepError, TorchStepSpec, torch_rank_step
+from pipecheck._torch_rank import (
+    TorchRankResult,
+    TorchStepError,
+    TorchStepSpec,
+    instrument_torch_stage,
+    restructure,
+    stage_submodule,
+    torch_pipe,
+    torch_rank_step,
+)
 from pipecheck._torch_schedules import TORCH_SCHEDULES, torch_layout
 from pipecheck._traced import normalize_split_spec
+from pipecheck.losses import MicrobatchLoss
 
 ENGINE = "torch.distributed.pipelining"
 _OWN_ERROR = f"{TorchStepError.__module__}.{TorchStepError.__qualname__}"
@@ -134,7 +149,7 @@ def plan_torch_step(job: Job, pipe: Pipe) -> TorchStepSpec:
         cuts, keep_markers = normalize_split_spec(job.build_model(), job.split_spec or {}), True
     return TorchStepSpec(job.model, job.args, job.kwargs, job.loss_fn, job.target, job.n_microbatches,
                          layout.key, pipe.num_stages, cuts, keep_markers, pytree.treespec_dumps(pipe.out_spec),
-                         layout.class_name, layout.stage_to_rank)
+                         layout.class_name, layout.stage_to_rank, record=job.boundaries is not None)
 
 
 def run_torch(job: Job) -> StepResult:
@@ -180,7 +195,40 @@ def merge_results(pipe: Pipe, results: list[TorchRankResult]) -> StepResult:
         buffers=buffers,
         stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
         replica_grads=replicas,
+        boundaries={key: value for r in results for key, value in r.boundaries.items()},
     )
+
+
+def torch_reference_boundaries(job: Job) -> tuple[Boundaries, dict[tuple[int, str], int | None]]:
+    """The boundary values a correct run of torch's own split gives, named as torch names them: torch's
+    ``pipeline()`` traced here as the ranks trace it, its stage modules run in this process micro-batch
+    by micro-batch (each loss divided by n_microbatches, as the reference's); and each stage input's
+    producing stage (None: a model input)."""
+    spec = plan_torch_step(job, job.structure())
+    _, torch_pipeline, _, _ = torch_pipe(spec, torch.device(job.device))
+    truth = Boundaries()
+    n = job.n_microbatches
+    for stage in range(torch_pipeline.num_stages):
+        instrument_torch_stage(stage_submodule(torch_pipeline, stage), stage, truth)
+    args, kwargs = cast_inputs((tuple(job.args), dict(job.kwargs)), None, torch.device(job.device))
+    loss_of = MicrobatchLoss(job.loss_fn, cast_inputs(job.target, None, torch.device(job.device)), n)
+    for mb, (mb_args, mb_kwargs) in enumerate(split_microbatches((args, kwargs), n)):
+        mb_args, mb_kwargs = unwrap_replicated((mb_args, mb_kwargs))
+        output = restructure(torch_pipeline(*mb_args, **mb_kwargs), spec.out_spec)
+        (loss_of(mb, output) / n).backward()
+    return truth, _torch_producers(torch_pipeline)
+
+
+def _torch_producers(torch_pipeline: Any) -> dict[tuple[int, str], int | None]:
+    calls = {node: int(str(node.target).rsplit("_", 1)[-1]) for node in torch_pipeline.split_gm.graph.nodes
+             if node.op == "call_module" and str(node.target).startswith("submod_")}
+    found: dict[tuple[int, str], int | None] = {}
+    for node, stage in calls.items():
+        placeholders = [p.name for p in stage_submodule(torch_pipeline, stage).graph.nodes if p.op == "placeholder"]
+        for name, arg in zip(placeholders, node.args):
+            source = arg.args[0] if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.args else arg
+            found[(stage, name)] = calls.get(source) if isinstance(source, fx.Node) else None
+    return found
 
 
 def torch_message(error: RankError) -> tuple[str, str | None]:

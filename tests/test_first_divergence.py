@@ -175,3 +175,20 @@ def test_weights_are_fitted_only_when_the_microbatches_can_be_told_apart() -> No
     assert microbatch_weights(test, [shares[0]] * 4) is None  # alike: any split of weights fits
     assert microbatch_weights(test + torch.randn(6, 5), shares) is None  # no close fit
     assert microbatch_weights(torch.ones(3), [torch.ones(3)] * 4) is None  # fewer elements than weights
+
+
+def test_torch_s_tied_embedding_is_located_in_its_gradient_handling_not_its_dataflow() -> None:
+    entry = get("tiny_gpt")
+    style = entry.cut_styles[0]
+    args, kwargs = entry.inputs()
+    with pytest.raises(pc.EquivalenceError) as caught:
+        pc.assert_equivalent(entry.factory(style), args, kwargs, runner="torch", loss_fn=entry.loss_fn,
+                             target=entry.target(), n_microbatches=4, **entry.cut(style))
+    report = caught.value.report
+    assert {row.name.split(" (")[0] for row in report.failures} == {"grad tok_emb.weight"}
+    assert report.first_divergence is None
+    # torch's boundary values, recorded on its ranks, match a run of torch's own split in this process
+    # up to its gradient scaling (scale_grads divides the parameter gradients at the end)
+    assert report.located.startswith("no boundary value diverges (40 values")
+    assert "every gradient crossing a stage is 4 times the reference's" in report.located
+    assert "tied replicas" in report.located

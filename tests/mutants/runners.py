@@ -305,7 +305,7 @@ class MergeReversed(BaseRunner):
 
 class GradNotScaled(BaseRunner):
     name = "grad_not_scaled"
-    located = 'in the backward: micro-batches 0, 1, 2, 3 differ'
+    located = "every gradient crossing a stage is 4 times the reference's: the loss is scaled by 4"
     bug = "micro-batch losses not divided by n_microbatches"
     hint = "gradient scaling"
 
@@ -318,7 +318,7 @@ class GradNotScaled(BaseRunner):
 
 class GradScaledTwice(BaseRunner):
     name = "grad_scaled_twice"
-    located = 'in the backward: micro-batches 0, 1, 2, 3 differ'
+    located = "every gradient crossing a stage is 0.25 times the reference's"
     bug = "gradients divided by n_microbatches twice (loss and gradients both scaled)"
     hint = "gradient scaling"
 
