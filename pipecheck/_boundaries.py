@@ -48,6 +48,20 @@ class Boundaries:
     # written in place under the stage's saved activations): key -> largest change.
     overwritten: dict[BoundaryKey, float] = field(default_factory=dict)
 
+    def exported(self) -> dict[BoundaryKey, torch.Tensor]:
+        """``values`` with the overwritten received values as ``(stage, mb, "overwritten", name)`` keys
+        (their change as a 0-dim tensor): what a rank returns in StepResult.boundaries."""
+        return {**self.values, **{(stage, mb, "overwritten", name): torch.tensor(change)
+                                  for (stage, mb, _, name), change in self.overwritten.items()}}
+
+    def imported(self, values: Mapping[BoundaryKey, torch.Tensor]) -> None:
+        """Take in what :meth:`exported` gave (on another process)."""
+        for (stage, mb, point, name), value in values.items():
+            if point == "overwritten":
+                self.overwritten[(stage, mb, "received", name)] = float(value)
+            else:
+                self.values[(stage, mb, point, name)] = value
+
     def record(self, stage: int, microbatch: int, point: str, name: str, value: Any) -> None:
         """Record one boundary value (every tensor leaf of it; a nested value as ``name[i]``).
 
@@ -61,6 +75,13 @@ class Boundaries:
             if isinstance(leaf, torch.Tensor):
                 key = (stage, microbatch, point, name if len(leaves) == 1 else f"{name}[{i}]")
                 self.values.setdefault(key, leaf.detach().to("cpu", copy=True))  # first wins: a W pass re-walks
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN."""
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return bool(torch.equal(a, b))
 
 
 class _Tap(torch.autograd.Function):
@@ -80,8 +101,9 @@ class _Tap(torch.autograd.Function):
             stage, mb, _, name = ctx.key
             seen = ctx.recorder.values.get((stage, mb, "received", name))
             now = ctx.watched.detach().to("cpu")
-            if seen is not None and seen.shape == now.shape and not torch.equal(seen, now):
-                change = (now.double() - seen.double()).abs().max().item() if seen.is_floating_point() else 1.0
+            if seen is not None and seen.shape == now.shape and seen.dtype == now.dtype and not _same(seen, now):
+                change = (now.double() - seen.double()).abs().nan_to_num(float("inf")).max().item() \
+                    if seen.is_floating_point() else 1.0
                 ctx.recorder.overwritten[(stage, mb, "received", name)] = change
         return grad, None, None, None
 
@@ -151,8 +173,7 @@ def instrument_module(module: torch.nn.Module, stage: int, in_names: list[str], 
         if _not_a_microbatch((args, kwargs)):
             current.clear()
             return None
-        mb = recorder.forwards.get(stage, 0)
-        recorder.forwards[stage] = mb + 1
+        mb = recorder.forwards.get(stage, 0)  # counted once the forward returns: one that raises is none
         current[:] = [mb]
         named = list(zip(in_names, args)) + list(kwargs.items())
         for name, value in named:
@@ -166,13 +187,16 @@ def instrument_module(module: torch.nn.Module, stage: int, in_names: list[str], 
         if not current:
             return None
         mb = current.pop()
+        recorder.forwards[stage] = mb + 1
         several = isinstance(outputs, (tuple, list))
         values = list(outputs) if several else [outputs]
         for name, value in zip(out_names, values):
             recorder.record(stage, mb, "sent", name, value)
         tapped = [_tapped(value, recorder, stage, mb, "grad received", name)
                   for name, value in zip(out_names, values)] + values[len(out_names):]
-        return type(outputs)(tapped) if several else tapped[0]
+        if not several:
+            return tapped[0]
+        return type(outputs)(*tapped) if hasattr(outputs, "_fields") else type(outputs)(tapped)
 
     return [module.register_forward_pre_hook(before, with_kwargs=True), module.register_forward_hook(after)]
 
@@ -199,6 +223,7 @@ class Divergence:
     error: float
     relative: float
     more_values: int = 0  # other values diverging at the same stage and point
+    mismatch: str = ""  # "shape (4, 16) where the reference has (8, 16)", or the dtypes, when they differ
 
     def text(self) -> str:
         where = {"received": "received", "sent": "sent", "grad received": "received the gradient of",
@@ -215,6 +240,8 @@ class Divergence:
         ok = f"; {_mb_list(self.matching, 'matches')}" if self.matching else ""
         error = (f", max abs error {self.error:.2e} ({self.relative:.1e} of its largest value)"
                  if self.error == self.error and self.error != float("inf") else "")
+        if self.mismatch:
+            error = f", {self.mismatch}"
         return (f"first divergence: stage {self.stage} {where} {what} in the {self.direction}: "
                 f"{mbs}{ok}{error}")
 
@@ -223,6 +250,14 @@ def _mb_list(mbs: tuple[int, ...], verb: str) -> str:
     word = "micro-batch" if len(mbs) == 1 else "micro-batches"
     verb = verb if len(mbs) == 1 else {"differs": "differ", "matches": "match", "never reached it": "never reached it"}[verb]
     return f"{word} {', '.join(map(str, mbs))} {verb}"
+
+
+def _mismatch(test: torch.Tensor, truth: torch.Tensor) -> str:
+    if test.shape != truth.shape:
+        return f"shape {tuple(test.shape)} where the reference has {tuple(truth.shape)}"
+    if test.dtype != truth.dtype:
+        return f"dtype {str(test.dtype).removeprefix('torch.')} where the reference has {str(truth.dtype).removeprefix('torch.')}"
+    return ""
 
 
 def diverges(test: torch.Tensor, truth: torch.Tensor) -> tuple[bool, float, float]:
@@ -286,14 +321,17 @@ def first_divergence(test: Mapping[BoundaryKey, torch.Tensor], truth: Mapping[Bo
     from the reference's, or the runner recorded nothing for a micro-batch the reference has; and the
     factor the backward's values were compared under (see :func:`backward_scale`)."""
     scale = backward_scale(test, truth)
+    recorded = {(key[0], key[2]) for key in test}
     for stage, point in _order(num_stages):
+        if (stage, point) not in recorded and point.startswith("grad"):
+            continue  # nothing recorded there at all (no tap: a no-grad forward, a runner recording forwards only)
         names = list(dict.fromkeys(key[3] for key in truth if key[0] == stage and key[2] == point))
-        found: list[tuple[str, list[int], list[int], list[int], float, float]] = []
+        found: list[tuple[str, list[int], list[int], list[int], float, float, str]] = []
         for name in names:
             bad: list[int] = []
             good: list[int] = []
             missing: list[int] = []
-            worst, worst_rel = 0.0, 0.0
+            worst, worst_rel, why = 0.0, 0.0, ""
             for mb in range(n_microbatches):
                 key = (stage, mb, point, name)
                 if key not in truth:
@@ -308,16 +346,17 @@ def first_divergence(test: Mapping[BoundaryKey, torch.Tensor], truth: Mapping[Bo
                 (bad if differs else good).append(mb)
                 if differs:
                     worst, worst_rel = max(worst, error), max(worst_rel, relative)
+                    why = why or _mismatch(test[key], expected)
             if bad or missing:
-                found.append((name, bad, good, missing, worst, worst_rel))
+                found.append((name, bad, good, missing, worst, worst_rel, why))
         if found:
-            name, bad, good, missing, error, relative = found[0]
+            name, bad, good, missing, error, relative, why = found[0]
             base = name.split("[", 1)[0]
             producer = producers.get((stage, base), stage) if point in ("received", "grad sent") else stage
             return Divergence(stage, "forward" if point in ("received", "sent") else "backward", point, name,
                               producer, tuple(bad), tuple(good), tuple(missing),
                               error if bad else float("inf"), relative if bad else float("inf"),
-                              len(found) - 1), scale
+                              len(found) - 1, why), scale
     return None, scale
 
 

@@ -38,7 +38,7 @@ from pipecheck._eager import (
 from pipecheck._errors import EngineError, EquivalenceError, InputError, PipecheckError, TraceError
 from pipecheck._inputs import cast_inputs, prepare_inputs
 from pipecheck._job import Job, Runner
-from pipecheck._localise import ReferenceByMicrobatch, locate
+from pipecheck._localise import ReferenceByMicrobatch, locate, not_located
 from pipecheck._model_factory import ModelFactory, refuse_unreproducible, seeded
 from pipecheck._numerics import ToleranceLike, check_tolerance
 from pipecheck._optional_runners import OPTIONAL
@@ -182,9 +182,12 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         # a factory that builds other weights on each call: no runner can match, whatever the table says
         refuse_unreproducible(factory, f"{len(report.failures)} of {len(report.rows)} tensors failed")
         with clock("locate_s"):
-            report.first_divergence, report.located = locate(
-                lambda: dataclasses.replace(job, **_fresh(inputs)), run, runner_name,
-                {row_kind(row.name) for row in report.failures}, reference)
+            try:
+                report.first_divergence, report.located = locate(
+                    lambda: dataclasses.replace(job, **_fresh(inputs)), run, runner_name,
+                    {row_kind(row.name) for row in report.failures}, reference)
+            except Exception as err:  # a diagnosis that fails (out of memory) never hides the verdict
+                report.located = not_located("locating it failed", err)
         report.timings["locate_s"] = timings["locate_s"]
         raise EquivalenceError(report.failure_text(), report)
     return report

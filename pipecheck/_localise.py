@@ -36,6 +36,13 @@ from pipecheck._result import StepResult
 OWN_SPLIT = frozenset({"deepspeed", "torchtitan"})
 
 
+def not_located(why: str, err: BaseException) -> str:
+    """The report's one line when locating failed: why, and the error's first line (cut short)."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 160 else first[:157] + "..."
+    return f"the divergence was not located: {why} ({type(err).__name__}: {first})"
+
+
 class ReferenceByMicrobatch:
     """One reference run of a failing job, made on first use: each micro-batch's own share of the
     parameter gradients (what the weight-fitting hint reads) and, recorded on the way, the boundary
@@ -71,7 +78,7 @@ def locate(fresh_job: Callable[[], Job], run: Runner, runner_name: str, failing_
         try:
             truth, producers = torch_reference_boundaries(job)
         except Exception as err:
-            return None, f"the divergence was not located: torch's split could not be run here ({type(err).__name__}: {err})"
+            return None, not_located("torch's split could not be run here", err)
         job = fresh_job()
     else:
         _, truth = (reference or ReferenceByMicrobatch(job)).get()
@@ -81,8 +88,10 @@ def locate(fresh_job: Callable[[], Job], run: Runner, runner_name: str, failing_
     try:
         result = run(dataclasses.replace(job, boundaries=recorded, trace_path=None))  # the user's trace is the check's
     except Exception as err:  # the verdict stands; only the diagnosis is lost
-        return None, f"the divergence was not located: running the job again to record it failed ({type(err).__name__}: {err})"
-    values = result.boundaries if isinstance(result, StepResult) and result.boundaries else recorded.values
+        return None, not_located("running the job again to record it failed", err)
+    if isinstance(result, StepResult) and result.boundaries:  # recorded on other processes
+        recorded.imported(result.boundaries)
+    values = recorded.values
     if not values:
         return None, ("the divergence was not located: the runner recorded no boundary values (run the stage modules "
                       "of job.split(), or record them with job.boundaries.record and return them in "

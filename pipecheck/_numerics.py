@@ -81,8 +81,10 @@ def _failing_row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], not
 
 
 def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLike,
-            stages: tuple[int, ...] = ()) -> Row:
-    """One row of the report; ``ref64`` is only read under ``"auto"``."""
+            stages: tuple[int, ...] = (), microbatches: int = 0) -> Row:
+    """One row of the report; ``ref64`` is only read under ``"auto"``. With ``microbatches`` > 1 (an
+    output merged from that many equal micro-batch slices along dim 0), a failing row also names the
+    micro-batches whose slice holds a failing element."""
     tol_text = "exact" if tolerance == "exact" else str(tolerance)
     if not isinstance(eager, torch.Tensor):
         try:
@@ -111,10 +113,11 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
     eager64 = eager.detach().to(dtype=torch.float64)
     if tolerance == "exact":
         failing = ~((test.detach().to(device) == eager.detach()) | (test64.isnan() & eager64.isnan()))
-        return _row(name, stages, shape, _Diff(test64, eager64), failing, lambda _: "exact")
+        return _row(name, stages, shape, _Diff(test64, eager64), failing, lambda _: "exact", None, microbatches)
     if isinstance(tolerance, Tolerance):
         diff = _Diff(test64, eager64)
-        return _row(name, stages, shape, diff, diff.failing(tolerance.atol, tolerance.rtol), lambda _: tol_text)
+        return _row(name, stages, shape, diff, diff.failing(tolerance.atol, tolerance.rtol), lambda _: tol_text, None,
+                    microbatches)
     truth = ref64.detach().to(device=device, dtype=torch.float64)
     eps = torch.finfo(eager.dtype).eps if eager.is_floating_point() else 0.0
     rtol = AUTO_FLOOR_EPS * eps
@@ -126,7 +129,7 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
         atol = torch.zeros((), dtype=torch.float64, device=device)
     diff = _Diff(test64, truth)
     return _row(name, stages, shape, diff, diff.failing(atol, rtol), lambda a: f"auto: atol {a:.1e} rtol {rtol:.1e}",
-                atol)
+                atol, microbatches)
 
 
 class _Diff:
@@ -150,7 +153,7 @@ class _Diff:
 
 
 def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff, failing: torch.Tensor,
-         tol: Callable[[float], str], atol: torch.Tensor | None = None) -> Row:
+         tol: Callable[[float], str], atol: torch.Tensor | None = None, microbatches: int = 0) -> Row:
     """The row's numbers, computed where the tensors are and read back in one transfer."""
     absolute = diff.abs
     if not absolute.numel():
@@ -167,8 +170,12 @@ def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff
     max_abs, max_rel, failing_count, flat_failing, flat_any, atol_value, nan_count = numbers.tolist()
     flat = flat_failing if failing_count else flat_any
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), absolute.shape)) if absolute.dim() else ()
+    by_microbatch = None
+    if failing_count and microbatches > 1 and failing.dim() and failing.shape[0] % microbatches == 0:
+        per_slice = failing.reshape(microbatches, -1).any(dim=1).tolist()  # only on failure: one more read
+        by_microbatch = tuple(mb for mb, fails in enumerate(per_slice) if fails)
     return Row(name, tuple(stages), shape, failing_count == 0, max_abs, max_rel, tol(atol_value), index,
-               int(failing_count), absolute.numel(), n_nan=int(nan_count))
+               int(failing_count), absolute.numel(), n_nan=int(nan_count), failing_microbatches=by_microbatch)
 
 
 def nonfinite(value: torch.Tensor) -> bool:

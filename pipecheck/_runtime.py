@@ -336,7 +336,7 @@ class StageExecutor:
         result.outputs, result.losses, result.grads, result.input_grads, result.buffers = to_host(
             (result.outputs, result.losses, result.grads, result.input_grads, result.buffers))
         if self.recorder is not None:
-            result.boundaries = dict(self.recorder.values)  # copied to the host as recorded
+            result.boundaries = self.recorder.exported()  # copied to the host as recorded
         self.ctx.stage, self.ctx.action = None, None
         return result
 

@@ -365,7 +365,7 @@ def _step(ctx: RankContext, prep: _Prepared) -> TorchRankResult:
         result.input_grads = {name: value.grad.detach().cpu() for name, value in prep.named_inputs.items()
                               if isinstance(value, torch.Tensor) and value.grad is not None}
     if prep.recorder is not None:
-        result.boundaries = dict(prep.recorder.values)
+        result.boundaries = prep.recorder.exported()
     for stage in prep.stages:
         result.stage_grads[stage.stage_index], unmapped = stage_grads(stage.submod, prep.names, prep.by_id)
         result.unmapped += unmapped

@@ -321,8 +321,12 @@ class World:
         self.close()
 
     def _lost_a_rank(self) -> bool:
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return False  # running a task in another thread: alive as far as anyone can tell now
+        try:
             return isinstance(self._ranks, SpawnedRanks) and bool(self._ranks.dead_ranks())
+        finally:
+            self._lock.release()
 
     def _ensure_open(self) -> None:
         if self._closed:

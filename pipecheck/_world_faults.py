@@ -120,6 +120,8 @@ def idle_death_error(exitcodes: dict[int, int | None], task: str, world_size: in
     if exitcodes[rank] == _STATUS_UNKNOWN and (server := dead_forkserver()) is not None:
         cause = (f"pipecheck's forkserver (pid {server}), which started them, is gone (killed from outside?) "
                  "and they were stopped with it. No rank is at fault. Leave pipecheck's forkserver process running.")
+    elif exitcodes[rank] is None:  # gone from /proc, its status not yet reported by its parent
+        cause = f"rank {rank} is gone (its exit status was not reported). {_death_hint(None)}"
     else:
         cause = f"rank {rank} {exit_status(exitcodes[rank])}. {_death_hint(exitcodes[rank])}"
     return RankDiedError(

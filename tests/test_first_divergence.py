@@ -192,3 +192,38 @@ def test_torch_s_tied_embedding_is_located_in_its_gradient_handling_not_its_data
     assert report.located.startswith("no boundary value diverges (40 values")
     assert "every gradient crossing a stage is 4 times the reference's" in report.located
     assert "tied replicas" in report.located
+
+
+def test_the_failing_microbatches_of_an_output_are_judged_under_the_row_s_own_tolerance() -> None:
+    from pipecheck._numerics import compare
+
+    truth = torch.tensor([[1.0, 2.0], [3.0, 4.0], [1e-3, 1e-3], [5.0, 6.0]], dtype=torch.float64)
+    eager = truth.float() + torch.tensor([[0.0, 0.0], [0.0, 0.0], [1e-4, 0.0], [0.0, 0.0]])  # eager's own error
+    test = eager.clone()
+    test[2, 1] += 0.5  # only micro-batch 1 (rows 2-3) is wrong
+    row = compare("output", test, eager, truth, "auto", microbatches=2)
+    assert not row.ok and row.failing_microbatches == (1,)
+
+
+def test_a_weights_fit_that_only_absorbs_noise_is_no_hint() -> None:
+    torch.manual_seed(0)
+    shares = [torch.randn(64) for _ in range(4)]
+    noisy = sum(shares) + 0.01 * torch.randn(64)  # a low-precision runner: right, up to noise
+    assert microbatch_weights(noisy.to(torch.bfloat16), [s.to(torch.bfloat16) for s in shares]) is None
+
+
+def test_a_runner_that_records_only_forwards_is_not_blamed_for_missing_gradients() -> None:
+    from pipecheck._boundaries import first_divergence
+
+    truth = {(0, 0, "sent", "h"): torch.ones(2), (0, 0, "grad received", "h"): torch.ones(2)}
+    found, _ = first_divergence({(0, 0, "sent", "h"): torch.ones(2)}, truth, 1, 2, {})
+    assert found is None
+
+
+def test_a_received_value_of_another_dtype_says_so() -> None:
+    from pipecheck._boundaries import first_divergence
+
+    truth = {(1, 0, "received", "h"): torch.ones(2)}
+    found, _ = first_divergence({(1, 0, "received", "h"): torch.ones(2, dtype=torch.bfloat16)}, truth, 1, 2,
+                                {(1, "h"): 0})
+    assert found is not None and "dtype bfloat16 where the reference has float32" in found.text()
