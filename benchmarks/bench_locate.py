@@ -6,7 +6,8 @@ the same failing check at a commit before them, and a passing check (nothing rec
 Each case runs in its own process per code base, alternating (new, old, new, old, ...), each process
 timing ``--checks`` checks after one warm-up check; the table gives the medians and their ratio.
 Cases: planted bugs in an in-process runner (tests/mutants) on the zoo's mlp and skip_one, and
-pipecheck's runtime on World(2) with a model that is wrong on rank 1 only. With --write the table
+pipecheck's runtime, DeepSpeed and torchtitan on World(2) with a model that is wrong on rank 1 only
+(the engines need pipecheck's extras; the baseline before them located neither). With --write the table
 replaces this benchmark's section of benchmarks/RESULTS.md.
 """
 
@@ -33,11 +34,16 @@ torch.set_num_threads(1)
 case = {case!r}
 
 def once():
-    if case == "distributed":
+    if case in ("distributed", "deepspeed"):
         import _odd_models
         return pc.assert_equivalent(_odd_models.WrongOnRank1, (torch.randn(8, 4),),
                                     split_spec={{"b": pc.SplitPoint.BEGINNING}}, n_microbatches=2,
-                                    runner="distributed", tracer="fx")
+                                    runner=case, tracer="fx")
+    if case == "torchtitan":
+        import _odd_models
+        return pc.assert_equivalent(_odd_models.TitanWrongOnRank1, (torch.randn(8, 4),),
+                                    split_spec={{"layers.1": pc.SplitPoint.BEGINNING}}, n_microbatches=2,
+                                    runner="torchtitan")
     from mutants.runners import MUTANTS, BaseRunner, check
     name, model = case.split(":")
     return check(MUTANTS[name] if name != "base" else BaseRunner(), model)
@@ -59,6 +65,8 @@ CASES = {
     "mutant grad_overwritten on mlp (4 stages, 4 mbs)": "grad_overwritten:mlp",
     "mutant skip_wrong_microbatch on skip_one": "skip_wrong_microbatch:skip_one",
     "runtime World(2), wrong on rank 1": "distributed",
+    "DeepSpeed World(2), wrong on rank 1": "deepspeed",
+    "torchtitan World(2), wrong on rank 1": "torchtitan",
     "passing check (base runner on mlp)": "base:mlp",
 }
 

@@ -47,6 +47,7 @@ class Boundaries:
     # Received values that changed between their forward and their backward (a reused receive buffer
     # written in place under the stage's saved activations): key -> largest change.
     overwritten: dict[BoundaryKey, float] = field(default_factory=dict)
+    paused: bool = False  # while set, a forward is no micro-batch (an engine's probe on real tensors)
 
     def exported(self) -> dict[BoundaryKey, torch.Tensor]:
         """``values`` with the overwritten received values as ``(stage, mb, "overwritten", name)`` keys
@@ -162,24 +163,30 @@ def _instrument_stage(stage: Stage, out_names: list[str], recorder: Boundaries) 
     return instrument_module(stage.module, stage.index, [src.name for src in stage.inputs], out_names, recorder)
 
 
-def instrument_module(module: torch.nn.Module, stage: int, in_names: list[str], out_names: list[str],
+def _chained(word: str, count: int) -> list[str]:
+    return [word] if count == 1 else [f"{word}[{i}]" for i in range(count)]
+
+
+def instrument_module(module: torch.nn.Module, stage: int, in_names: list[str] | None, out_names: list[str] | None,
                       recorder: Boundaries) -> list[RemovableHandle]:
     """Record the boundary values of ``module``, stage ``stage`` of some split: its positional inputs
     named ``in_names`` (keyword inputs by their keywords), its outputs (a tuple or list, or one value)
-    named ``out_names``."""
+    named ``out_names``. None: a stage of a chain (each stage gets what the one before returned):
+    its positional inputs are ``input`` (``input[i]`` of several), its outputs ``output``
+    (``output[i]``); see :func:`chain_producers`."""
     current: list[int] = []  # the micro-batch of the forward under way
 
     def before(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _not_a_microbatch((args, kwargs)):
+        if recorder.paused or _not_a_microbatch((args, kwargs)):
             current.clear()
             return None
         mb = recorder.forwards.get(stage, 0)  # counted once the forward returns: one that raises is none
         current[:] = [mb]
-        named = list(zip(in_names, args)) + list(kwargs.items())
-        for name, value in named:
+        names = in_names if in_names is not None else _chained("input", len(args))
+        for name, value in list(zip(names, args)) + list(kwargs.items()):
             recorder.record(stage, mb, "received", name, value)
         args = tuple(_tapped(value, recorder, stage, mb, "grad sent", name)
-                     for name, value in zip(in_names, args)) + args[len(in_names):]
+                     for name, value in zip(names, args)) + args[len(names):]
         kwargs = {name: _tapped(value, recorder, stage, mb, "grad sent", name) for name, value in kwargs.items()}
         return args, kwargs
 
@@ -190,15 +197,44 @@ def instrument_module(module: torch.nn.Module, stage: int, in_names: list[str], 
         recorder.forwards[stage] = mb + 1
         several = isinstance(outputs, (tuple, list))
         values = list(outputs) if several else [outputs]
-        for name, value in zip(out_names, values):
+        names = out_names if out_names is not None else _chained("output", len(values) if several else 1)
+        for name, value in zip(names, values):
             recorder.record(stage, mb, "sent", name, value)
         tapped = [_tapped(value, recorder, stage, mb, "grad received", name)
-                  for name, value in zip(out_names, values)] + values[len(out_names):]
+                  for name, value in zip(names, values)] + values[len(names):]
         if not several:
             return tapped[0]
         return type(outputs)(*tapped) if hasattr(outputs, "_fields") else type(outputs)(tapped)
 
     return [module.register_forward_pre_hook(before, with_kwargs=True), module.register_forward_hook(after)]
+
+
+def pause_for_metadata_probes(stage: Any, recorder: Boundaries) -> None:
+    """Record nothing while torch's pipeline ``stage`` runs its metadata inference: from torch 2.15 a
+    stage probes shapes with a real forward and backward before the first micro-batch, which would
+    otherwise count as one. Through the stage's forward context, where torch has it (before 2.15
+    the probe runs on meta tensors, which are never recorded)."""
+    register = getattr(stage, "register_forward_context", None)
+    if register is None:
+        return
+
+    @contextmanager
+    def probing(info: Any) -> Iterator[None]:
+        before = recorder.paused
+        recorder.paused = bool(getattr(info, "is_metadata_inference", False))
+        try:
+            yield
+        finally:
+            recorder.paused = before
+
+    register(probing)
+
+
+def chain_producers(truth: Mapping[BoundaryKey, torch.Tensor]) -> dict[tuple[int, str], int | None]:
+    """Producers for stages instrumented as a chain (``in_names=None`` past the first stage): a
+    stage's ``input`` comes from the stage before it; anything else it receives is a model input."""
+    return {(stage, base): stage - 1 if stage > 0 and base == "input" else None
+            for stage, _, point, name in truth if point == "received" for base in [name.split("[", 1)[0]]}
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._boundaries import Boundaries, BoundaryKey, instrument, instrument_module
 from pipecheck._deepspeed_layers import (
     PipeStageLayer,
     SplitLayout,
@@ -76,6 +77,8 @@ class EngineSetup:
     engine_fqn: Callable[[str], str]  # DeepSpeed's parameter or buffer name -> the model's FQN
     load: Callable[[nn.Module], None]  # the model's weights into the PipelineModule
     input_grads: Callable[[nn.Module], dict[str, list[torch.Tensor]]] = lambda pm: {}  # name -> per micro-batch
+    recorder: Boundaries | None = None  # records boundary values (a failing check's second run)
+    record_stage_module: bool = False  # record at DeepSpeed's stage module (a layer list's stages are no modules)
 
 
 @dataclass
@@ -91,6 +94,7 @@ class DeepSpeedRankResult:
     input_grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     failure: RankError | None = None
+    boundaries: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)  # when the spec says record
 
 
 class RecordingLoss:
@@ -228,6 +232,8 @@ def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSp
             raise DeepSpeedStepError(f"DeepSpeed partitioned the layers as {list(parts)}, pipecheck planned "
                                      f"{list(setup.parts)}")
         setup.load(module)
+        if setup.recorder is not None and setup.record_stage_module:  # this stage's layers, as one chain link
+            instrument_module(module, ctx.rank, None, None, setup.recorder)
         names = {id(p): name for name, p in module.named_parameters()}
         # torch's SGD refuses an empty parameter list (a stage of parameter-free layers)
         optimizer = torch.optim.SGD(list(module.parameters()) or [nn.Parameter(torch.zeros(()))], lr=0.0)
@@ -248,6 +254,8 @@ def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSp
     result.outputs = [setup.loss.outputs[mb] for mb in recorded]
     result.buffers = {setup.engine_fqn(name): b.detach().cpu().clone() for name, b in module.named_buffers()}
     result.input_grads = setup.input_grads(module)
+    if setup.recorder is not None:
+        result.boundaries = setup.recorder.exported()
     with _clock(result.timings, "teardown_s"):
         ctx.action = "teardown"
         _teardown(engine, groups_before)
@@ -295,6 +303,7 @@ class SplitModelSpec:
     n_microbatches: int
     input_grads_of: tuple[str, ...] = ()  # fed model inputs whose gradients are wanted
     scalars: dict[Source, str] = field(default_factory=dict)  # boundary values that are Python numbers
+    record: bool = False  # record the stage modules' boundary values (a failing check's second run)
 
     def layout(self, pipe: Pipe, bound: Mapping[str, Any]) -> SplitLayout:
         """The layer chain: what each boundary carries (as the driver's dry run found), the tied modules."""
@@ -306,6 +315,9 @@ class SplitModelSpec:
         factory = self.model.on(ctx.device) if isinstance(self.model, ModelFactory) else self.model
         args, kwargs = cast_inputs((tuple(self.args), dict(self.kwargs)), None, ctx.device)
         pipe = split(factory, args, kwargs, split_spec=self.split_spec, policy=self.policy, tracer=self.tracer)
+        recorder = Boundaries() if self.record else None
+        if recorder is not None:  # pipecheck's own stage modules, named as the reference names their values
+            instrument(pipe, recorder)
         bound = pipe.bind_inputs(args, kwargs)
         layout = self.layout(pipe, bound)
         constants = {name: unwrap_replicated(bound[name]) for name in layout.constants}
@@ -333,6 +345,7 @@ class SplitModelSpec:
             engine_fqn=_split_names(pipe, layout, per_stage).__getitem__,
             load=lambda module: _load_split(module, pipe, layout),
             input_grads=_recorded_input_grads,
+            recorder=recorder,
         )
 
 
@@ -412,6 +425,7 @@ class LayerListSpec:
     loss_fn: LossFn | None
     target: Any
     n_microbatches: int
+    record: bool = False  # record each stage's boundary values (a failing check's second run)
 
     def engine_fqn(self, name: str) -> str:
         head, _, rest = name.partition(".")
@@ -433,6 +447,8 @@ class LayerListSpec:
             micro_batch_size=max(1, first.shape[0] // self.n_microbatches),
             engine_fqn=self.engine_fqn,
             load=self.load,
+            recorder=Boundaries() if self.record else None,
+            record_stage_module=True,
         )
 
     def load(self, module: nn.Module) -> None:

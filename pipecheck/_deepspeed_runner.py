@@ -28,8 +28,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._boundaries import Boundaries, chain_producers, instrument_module
 from pipecheck._deepspeed_layers import (
     BoundaryProblem,
     LayerListModel,
@@ -103,7 +105,8 @@ def _merge(pipe: Pipe, results: list[DeepSpeedRankResult], n_microbatches: int) 
     timings = {f"deepspeed_{key}": max(r.timings.get(key, 0.0) for r in results) for key in last.timings}
     return StepResult(outputs=merge_microbatches(last.outputs), loss=last.loss, grads=grads,
                       input_grads=input_grads, buffers=buffers, timings=timings,
-                      stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)], replica_grads=replicas)
+                      stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)], replica_grads=replicas,
+                      boundaries={key: value for r in results for key, value in r.boundaries.items()})
 
 
 # --- runner="deepspeed": pipecheck's split --------------------------------------------------------------
@@ -140,7 +143,8 @@ class DeepSpeedRunner:
         layout, problems = _split_problems(job, layout)
         _refuse(problems, f"{pipe.model_name} as pipecheck splits it")
         spec = self.spec(job.model, job.split_spec, job.policy, pipe.tracer, job.args, dict(job.kwargs),
-                         job.loss_fn, job.target, job.n_microbatches, wanted, dict(layout.scalars))
+                         job.loss_fn, job.target, job.n_microbatches, wanted, dict(layout.scalars),
+                         record=job.boundaries is not None)
         return _merge(pipe, _run(job, pipe.num_stages, spec, "runner='deepspeed'"), job.n_microbatches)
 
 
@@ -156,7 +160,7 @@ def run_deepspeed(job: Job) -> StepResult:
 def _split_problems(job: Job, layout: SplitLayout) -> tuple[SplitLayout, list[BoundaryProblem]]:
     """One micro-batch through pipecheck's layer chain in this process: first to learn which
     boundary values are Python numbers (carried as 0-dim tensors), then as DeepSpeed passes values."""
-    pipe = job.split()  # a private copy: the dry runs update its buffers
+    pipe = dataclasses.replace(job, boundaries=None).split()  # a private copy (the dry runs update its buffers)
     bound = pipe.bind_inputs(job.args, job.kwargs)
     constants = {name: unwrap_replicated(bound[name]) for name in layout.constants}
     first = split_microbatches({name: bound[name] for name in layout.feed}, job.n_microbatches)[0]
@@ -241,8 +245,39 @@ class DeepSpeedLayersRunner:
         _refuse(boundary_problems(stages, split_microbatches(inputs, job.n_microbatches)[0],
                                   lambda outputs: loss_of(0, outputs)), "this layer list")
         spec = LayerListSpec(pickle.dumps(list(self.engine_layers())), self.keys, self.partition_method,
-                             self.parts, state, inputs, job.loss_fn, job.target, job.n_microbatches)
+                             self.parts, state, inputs, job.loss_fn, job.target, job.n_microbatches,
+                             record=job.boundaries is not None)
         return _merge(pipe, _run(job, self.num_stages, spec, "DeepSpeed's PipelineEngine"), job.n_microbatches)
+
+
+    def reference_boundaries(self, job: Job) -> tuple[Boundaries, dict[tuple[int, str], int | None]]:
+        """The boundary values of the layer list's stages run one after another in this process,
+        micro-batch by micro-batch (each stage's layers as one module, as DeepSpeed's stage module runs
+        them; each loss divided by n_microbatches), and each stage input's producing stage."""
+        model = job.build_model()
+        assert isinstance(model, LayerListModel)
+        truth = Boundaries()
+        stages = [_LayerRange(model, start, stop) for start, stop in zip(self.parts, self.parts[1:])]
+        for stage, module in enumerate(stages):
+            instrument_module(module, stage, None, None, truth)
+        n = job.n_microbatches
+        loss_of = MicrobatchLoss(job.loss_fn, job.target, n)
+        for mb, inputs in enumerate(split_microbatches(job.args[0], n)):
+            for module in stages:
+                inputs = module(inputs)
+            (loss_of(mb, inputs) / n).backward()
+        return truth, chain_producers(truth.values)
+
+
+class _LayerRange(nn.Module):
+    """Layers ``start`` to ``stop`` of a layer list, as one module (as DeepSpeed's stage module runs them)."""
+
+    def __init__(self, model: LayerListModel, start: int, stop: int) -> None:
+        super().__init__()
+        self.model, self.start, self.stop = model, start, stop
+
+    def forward(self, x: Any) -> Any:
+        return _layer_range(self.model, self.start, self.stop)(x)
 
 
 def _layer_range(model: LayerListModel, start: int, stop: int) -> Callable[[Any], Any]:

@@ -6,8 +6,10 @@
 
 Only after a failure: the job runs once more through the reference (micro-batch by micro-batch) and
 once more through the runner, both with ``job.boundaries`` set, so every stage module of
-``job.split()`` records what it received and sent. A runner that runs its own split (torch's pipelining, DeepSpeed, torchtitan) records
-nothing, and the note says so instead.
+``job.split()`` records what it received and sent. A runner that cuts the model itself (torch's
+pipelining, torchtitan, a DeepSpeed layer list) records its own stage modules, and its truth is its own
+split run in this process: ``run.reference_boundaries(job) -> (Boundaries, producers)`` where the
+runner has it (torch's by name).
 """
 
 from __future__ import annotations
@@ -30,10 +32,6 @@ from pipecheck._errors import plural
 from pipecheck._job import Job, Runner
 from pipecheck._reference import DetachExecutor
 from pipecheck._result import StepResult
-
-# Built-in runners that cut the model themselves: their stage modules are not job.split()'s (torch's
-# are lined up with a run of torch's own split instead).
-OWN_SPLIT = frozenset({"deepspeed", "torchtitan"})
 
 
 def not_located(why: str, err: BaseException) -> str:
@@ -68,17 +66,17 @@ def locate(fresh_job: Callable[[], Job], run: Runner, runner_name: str, failing_
            reference: ReferenceByMicrobatch | None = None) -> tuple[Divergence | None, str]:
     """The first divergent boundary value (or None) and a line for the report; ``failing_kinds``:
     which of "outputs", "loss", "buffers", "grads" have failing rows."""
-    if runner_name in OWN_SPLIT:
-        return None, (f"runner {runner_name!r} runs its own split of the model, so its boundary values cannot be "
-                      "lined up with the reference's; the rows below are the evidence")
     job = fresh_job()
-    if runner_name == "torch":  # torch cuts and names the values itself: its own split, run here, is the truth
+    own_split = getattr(run, "reference_boundaries", None)
+    if runner_name == "torch":
         from pipecheck._torch_runner import torch_reference_boundaries
 
+        own_split = torch_reference_boundaries
+    if own_split is not None:  # the runner cuts and names the values itself: its own split, run here, is the truth
         try:
-            truth, producers = torch_reference_boundaries(job)
+            truth, producers = own_split(job)
         except Exception as err:
-            return None, not_located("torch's split could not be run here", err)
+            return None, not_located(f"runner {runner_name!r}'s own split could not be run here", err)
         job = fresh_job()
     else:
         _, truth = (reference or ReferenceByMicrobatch(job)).get()

@@ -34,6 +34,12 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._boundaries import (
+    Boundaries,
+    BoundaryKey,
+    instrument_module,
+    pause_for_metadata_probes,
+)
 from pipecheck._errors import RankError
 from pipecheck._inputs import cast_inputs
 from pipecheck._microbatch import split_microbatches
@@ -59,6 +65,7 @@ class TitanStepSpec:
     module_names: tuple[tuple[str, ...], ...]  # module_names_per_stage
     out_spec_json: str  # the model's output structure, as pytree.treespec_dumps text
     scale_loss: bool = True  # divide each micro-batch's loss by n_microbatches (torchtitan sums)
+    record: bool = False  # record boundary values (a failing check's second run, to find where it diverges)
 
     @property
     def out_spec(self) -> pytree.TreeSpec:
@@ -88,6 +95,19 @@ class TitanRankResult:
     timings: dict[str, float] = field(default_factory=dict)
     refusal: Refusal | None = None
     failure: RankError | None = None
+    boundaries: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)  # when the spec says record
+
+
+def instrument_part(part: nn.Module, stage: int, first_inputs: Sequence[str], recorder: Boundaries) -> None:
+    """Record a torchtitan stage module's boundary values: the first stage receives the model's
+    positional inputs by their names, every later one ``input`` (what the stage before returned),
+    every stage the keyword inputs; each sends ``output`` (``output[i]`` of a tuple)."""
+    instrument_module(part, stage, list(first_inputs) if stage == 0 else None, None, recorder)
+
+
+def positional_names(whole: nn.Module, args: Sequence[Any]) -> list[str]:
+    """The names of forward's parameters that ``args`` fill."""
+    return list(inspect.signature(whole.forward).parameters)[:len(args)]
 
 
 # --- the dry run: every stage as torchtitan will run it, in this process -----------------------------
@@ -190,6 +210,7 @@ class _Prepared:
     kwargs: dict[str, Any]
     whole: nn.Module
     named_inputs: dict[str, Any]
+    recorder: Boundaries | None = None
 
 
 def _prepare(ctx: RankContext, spec: TitanStepSpec, timings: dict[str, float]) -> _Prepared | Refusal:
@@ -236,6 +257,11 @@ def _build(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared) -> None:
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("pp",))
     prep.stages, prep.parts = _pipeline_module_split(prep.whole, mesh, spec.schedule, ctx.device,
                                                      [list(names) for names in spec.module_names])
+    if spec.record:
+        prep.recorder = Boundaries()
+        for stage, part in zip(prep.stages, prep.parts):
+            instrument_part(part, stage.stage_index, positional_names(prep.whole, prep.args), prep.recorder)
+            pause_for_metadata_probes(stage, prep.recorder)
     batch = next(leaf.shape[0] for leaf in pytree.tree_leaves(prep.args) if isinstance(leaf, torch.Tensor)
                  and leaf.dim() > 0)
     ctx.action = "_build_pipeline_schedule"
@@ -295,6 +321,8 @@ def _step(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared, result: TitanR
                 grads[fqn] = param.grad.detach().cpu()
         result.stage_grads[stage.stage_index] = grads
         result.buffers[stage.stage_index] = _buffers(part, original)
+    if prep.recorder is not None:
+        result.boundaries = prep.recorder.exported()
     return result
 
 

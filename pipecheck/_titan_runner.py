@@ -29,9 +29,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._boundaries import Boundaries, chain_producers
 from pipecheck._errors import EngineError, InputError
+from pipecheck._inputs import cast_inputs
 from pipecheck._job import Job
-from pipecheck._microbatch import Replicated
+from pipecheck._microbatch import Replicated, split_microbatches
 from pipecheck._pipe import Pipe
 from pipecheck._result import StepResult
 from pipecheck._runners import (
@@ -42,7 +44,16 @@ from pipecheck._runners import (
     run_engine,
     world_for,
 )
-from pipecheck._titan_rank import ENGINE, TitanRankResult, TitanStepSpec, titan_rank_step
+from pipecheck._titan_rank import (
+    ENGINE,
+    TitanRankResult,
+    TitanStepSpec,
+    instrument_part,
+    positional_names,
+    titan_rank_step,
+)
+from pipecheck._torch_rank import restructure
+from pipecheck.losses import MicrobatchLoss
 
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "interleaved_1f1b": "Interleaved1F1B",
              "looped_bfs": "LoopedBFS", "zb": "InterleavedZeroBubble", "interleaved_zb": "InterleavedZeroBubble",
@@ -190,7 +201,33 @@ class TorchtitanRunner:
                               + ".", engine=ENGINE)
         return TitanStepSpec(job.model, job.args, dict(job.kwargs), job.loss_fn, job.target, job.n_microbatches,
                              schedule, tuple(tuple(s) for s in names),
-                             pytree.treespec_dumps(pipe.out_spec), self.scale_loss)
+                             pytree.treespec_dumps(pipe.out_spec), self.scale_loss,
+                             record=job.boundaries is not None)
+
+    def reference_boundaries(self, job: Job) -> tuple[Boundaries, dict[tuple[int, str], int | None]]:
+        """The boundary values a correct run of torchtitan's own stage modules gives: the modules
+        ``_split_module`` makes from the job's model, run one after another in this process, micro-batch
+        by micro-batch (each loss divided by n_microbatches, as the reference's); and each stage
+        input's producing stage. What the ranks record is lined up with these."""
+        from torchtitan.distributed.pipeline_parallel import _split_module
+
+        spec = self.plan(job, job.structure())
+        device = torch.device(job.device)
+        whole = job.build_model()
+        args, kwargs = cast_inputs((tuple(job.args), dict(job.kwargs)), None, device)
+        parts = [_split_module(whole, list(keep)) for keep in spec.module_names]
+        truth = Boundaries()
+        for stage, part in enumerate(parts):
+            instrument_part(part, stage, positional_names(whole, args), truth)
+        n = job.n_microbatches
+        loss_of = MicrobatchLoss(job.loss_fn, cast_inputs(job.target, None, device), n)
+        for mb, (mb_args, mb_kwargs) in enumerate(split_microbatches((args, kwargs), n)):
+            value: Any = None
+            for stage, part in enumerate(parts):
+                inputs = mb_args if stage == 0 else tuple(value) if isinstance(value, (tuple, list)) else (value,)
+                value = part(*inputs, **mb_kwargs)
+            (loss_of(mb, restructure(value, spec.out_spec)) / n).backward()
+        return truth, chain_producers(truth.values)
 
     def __call__(self, job: Job) -> StepResult:
         pipe = job.structure()
@@ -234,9 +271,9 @@ def merge_results(pipe: Pipe, results: list[TitanRankResult]) -> StepResult:
     return StepResult(outputs=last.outputs, loss=torch.stack(last.losses).mean(), grads=grads,
                       input_grads=input_grads, buffers=buffers,
                       timings=timings, stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
-                      replica_grads=replicas)
+                      replica_grads=replicas,
+                      boundaries={key: value for r in results for key, value in r.boundaries.items()})
 
 
-def run_torchtitan(job: Job) -> StepResult:
-    """The "torchtitan" runner, module names derived from the job's cut."""
-    return TorchtitanRunner()(job)
+# The "torchtitan" runner, module names derived from the job's cut.
+run_torchtitan = TorchtitanRunner()

@@ -25,7 +25,12 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._autograd_functions import functions_as_calls, functions_in_export
-from pipecheck._boundaries import Boundaries, BoundaryKey, instrument_module
+from pipecheck._boundaries import (
+    Boundaries,
+    BoundaryKey,
+    instrument_module,
+    pause_for_metadata_probes,
+)
 from pipecheck._errors import RankError, plural
 from pipecheck._inputs import cast_inputs
 from pipecheck._markers import PIPE_SPLIT_OP, SplitPoint
@@ -338,6 +343,7 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
     if recorder is not None:
         for stage in stages:
             instrument_torch_stage(stage.submod, stage.stage_index, recorder)
+            pause_for_metadata_probes(stage, recorder)
     return _Prepared(stages, schedule, spec.out_spec, torch_target, tuple(args), dict(kwargs), names, by_id,
                      buffer_names, pipe.num_stages, named_inputs, recorder)
 

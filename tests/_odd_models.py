@@ -67,6 +67,26 @@ class WrongOnRank1(nn.Module):
         return _plus_one_on_rank_1(self.b(self.a(x)))
 
 
+class TitanWrongOnRank1(nn.Module):
+    """WrongOnRank1 as torchtitan splits models (its forward runs over whichever layers a stage keeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return _plus_one_on_rank_1(x)
+
+
+class PlusOneOnRank1(nn.Module):
+    """A DeepSpeed layer that adds 1 on rank 1 only (a stand-in for an engine bug on stage 1)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _plus_one_on_rank_1(x)
+
+
 @torch.fx.wrap
 def _plus_one_on_rank_1(x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist

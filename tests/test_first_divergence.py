@@ -3,6 +3,7 @@ backward), which micro-batches of an output fail, and hints fitted from the micr
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
@@ -76,6 +77,60 @@ def test_the_runtime_records_on_its_ranks_and_the_driver_locates_the_stage() -> 
     assert found is not None
     assert (found.stage, found.point, found.value, found.microbatches) == (1, "sent", "output", (0, 1))
     assert str(caught.value).splitlines()[1].startswith("first divergence: stage 1 sent 'output' in the forward")
+
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason='needs DeepSpeed: pip install "pipecheck[deepspeed]"')
+needs_torchtitan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                      reason='needs torchtitan: pip install "pipecheck[torchtitan]"')
+
+
+def _engine_failure(check_it: Any) -> tuple[pc.Report, str]:
+    with pytest.raises(pc.EquivalenceError) as caught:
+        check_it()
+    return caught.value.report, str(caught.value).splitlines()[1]
+
+
+@needs_deepspeed
+def test_deepspeed_ranks_record_pipecheck_s_stage_modules(pipecheck_world: Any) -> None:
+    import _odd_models
+
+    report, line = _engine_failure(lambda: pc.assert_equivalent(
+        _odd_models.WrongOnRank1, (torch.randn(8, 4),), split_spec={"b": pc.SplitPoint.BEGINNING}, n_microbatches=2,
+        runner="deepspeed", tracer="fx", world=pipecheck_world(2)))
+    found = report.first_divergence
+    assert found is not None
+    assert (found.stage, found.point, found.value, found.microbatches) == (1, "sent", "output", (0, 1))
+    assert line.startswith("first divergence: stage 1 sent 'output' in the forward: micro-batches 0, 1 differ")
+
+
+@needs_deepspeed
+def test_a_deepspeed_layer_list_is_lined_up_with_its_own_stages_run_in_one_process(pipecheck_world: Any) -> None:
+    import _odd_models
+    from deepspeed.pipe import LayerSpec
+
+    layers = [nn.Linear(4, 4), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 4, 4), LayerSpec(_odd_models.PlusOneOnRank1)]
+    report, line = _engine_failure(lambda: pc.engines.deepspeed.check(
+        layers, torch.randn(8, 4), num_stages=2, n_microbatches=4, partition_method="uniform",
+        world=pipecheck_world(2)))
+    found = report.first_divergence
+    assert found is not None
+    assert (found.stage, found.point, found.value, found.microbatches) == (1, "sent", "output", (0, 1, 2, 3))
+    assert line.startswith("first divergence: stage 1 sent 'output' in the forward")
+
+
+@needs_torchtitan
+def test_torchtitan_is_lined_up_with_its_own_stage_modules_run_in_one_process(pipecheck_world: Any) -> None:
+    import _odd_models
+
+    report, line = _engine_failure(lambda: pc.assert_equivalent(
+        _odd_models.TitanWrongOnRank1, (torch.randn(8, 4),), split_spec={"layers.1": pc.SplitPoint.BEGINNING},
+        n_microbatches=2, runner="torchtitan", world=pipecheck_world(2)))
+    found = report.first_divergence
+    assert found is not None
+    assert (found.stage, found.point, found.value, found.microbatches) == (1, "sent", "output", (0, 1))
+    # stage 1 received stage 0's output right: the values are lined up across the boundary
+    assert line.startswith("first divergence: stage 1 sent 'output' in the forward: micro-batches 0, 1 differ")
 
 
 def test_a_passing_check_records_nothing() -> None:

@@ -1,4 +1,5 @@
-"""Planted bugs in the engine adapters: each is caught by the check, naming the tensor, with the hint.
+"""Planted bugs in the engine adapters: each is caught by the check, naming the tensor, with the hint,
+and located after the dataflow (every boundary value the ranks recorded matches).
 
 - DeepSpeed layer list whose TiedLayerSpec pair is replaced by two untied layers (the reference
   keeps the tie): every replica keeps only its own stage's share.
@@ -39,6 +40,14 @@ class UntiedLayers(DeepSpeedLayersRunner):
         return em.tied_layers(untied=True)[0]
 
 
+def _in_gradient_handling(report: pc.Report) -> None:
+    """Every value the stages exchanged matches the engine's own split run in one process: the report
+    puts the bug after the dataflow."""
+    assert report.first_divergence is None
+    assert report.located.startswith("no boundary value diverges")
+    assert "how the engine handles gradients after computing them" in report.located
+
+
 def _caught(run: Any) -> pc.Report:
     with pytest.raises(pc.EquivalenceError) as caught:
         run()
@@ -56,6 +65,7 @@ def test_deepspeed_layer_list_with_its_tied_spec_untied_is_caught(pipecheck_worl
     assert {"grad tied_modules.embed.weight (replica in stage 0)",
             "grad tied_modules.embed.weight (replica in stage 1)"} <= failing
     assert TIED in report.hints["grad tied_modules.embed.weight (replica in stage 1)"]
+    _in_gradient_handling(report)
 
 
 @needs_deepspeed
@@ -67,6 +77,7 @@ def test_deepspeed_split_without_its_tied_modules_is_caught(pipecheck_world: Any
         target=entry.target(), n_microbatches=4, world=pipecheck_world(4)))
     assert "grad tok_emb.weight (replica in stage 3)" in {row.name for row in report.failures}
     assert TIED in report.hints["grad tok_emb.weight"]
+    _in_gradient_handling(report)
 
 
 @needs_torchtitan
@@ -78,3 +89,5 @@ def test_torchtitan_losses_left_undivided_are_caught(pipecheck_world: Any) -> No
     assert "grad tok_embeddings.weight" in {row.name for row in report.failures}
     assert "gradient scaling: gradient is n_microbatches (=4) times too large" in \
         report.hints["grad tok_embeddings.weight"]
+    _in_gradient_handling(report)
+    assert "every gradient crossing a stage is 4 times the reference's" in report.located
