@@ -95,11 +95,13 @@ def locate(fresh_job: Callable[[], Job], run: Runner, runner_name: str, failing_
                       "of job.split(), or record them with job.boundaries.record and return them in "
                       "StepResult.boundaries)")
     found, scale = first_divergence(values, truth.values, job.n_microbatches, job.structure().num_stages, producers)
-    return _said(found, scale, recorded, len(truth.values), failing_kinds)
+    return _said(found, scale, recorded, len(truth.values), failing_kinds,
+                 runner_name if own_split is not None else None)
 
 
 def _said(found: Divergence | None, scale: float, recorded: Boundaries, counted: int,
-          failing_kinds: Collection[str]) -> tuple[Divergence | None, str]:
+          failing_kinds: Collection[str], own_split: str | None = None) -> tuple[Divergence | None, str]:
+    """The report's line; ``own_split``: the runner whose own split, run in this process, was the truth."""
     scaled = (f"; every gradient crossing a stage is {scale:.4g} times the reference's: the loss is scaled by "
               f"{scale:.4g}, which the parameter gradients must undo" if scale != 1.0 else "")
     if found is not None:
@@ -117,5 +119,10 @@ def _said(found: Divergence | None, scale: float, recorded: Boundaries, counted:
     if not causes:
         causes.append("the bug is in the state the engine keeps across micro-batches (buffers), not in its dataflow")
     where = "; and ".join(causes)
+    if own_split is not None:  # that split computes what the engine's ranks do, rightly or not
+        return None, (f"no boundary value diverges from runner {own_split!r}'s own split run in one process "
+                      f"({values_said}, forward and backward{scaled}): either that split itself computes the model "
+                      "wrong (a value its forward does not pass along to a later stage, an input a stage does not "
+                      f"get: the rows show it against eager), or {where}")
     return None, (f"no boundary value diverges ({values_said} the stages received and sent, forward and backward, "
                   f"match the reference{scaled}): {where}")

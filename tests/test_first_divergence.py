@@ -244,7 +244,8 @@ def test_torch_s_tied_embedding_is_located_in_its_gradient_handling_not_its_data
     assert report.first_divergence is None
     # torch's boundary values, recorded on its ranks, match a run of torch's own split in this process
     # up to its gradient scaling (scale_grads divides the parameter gradients at the end)
-    assert report.located.startswith("no boundary value diverges (40 values")
+    assert report.located.startswith("no boundary value diverges from runner 'torch''s own split run in one "
+                                     "process (40 values")
     assert "every gradient crossing a stage is 4 times the reference's" in report.located
     assert "tied replicas" in report.located
 
