@@ -35,15 +35,23 @@ from pipecheck._eager import (
     refuse_random,
     result_dtype,
 )
-from pipecheck._errors import EngineError, EquivalenceError, InputError, PipecheckError, TraceError
+from pipecheck._errors import (
+    EngineError,
+    EquivalenceError,
+    InputError,
+    PipecheckError,
+    PowerError,
+    TraceError,
+    plural,
+)
 from pipecheck._inputs import cast_inputs, prepare_inputs
 from pipecheck._job import Job, Runner
 from pipecheck._localise import ReferenceByMicrobatch, locate, not_located
 from pipecheck._model_factory import ModelFactory, refuse_unreproducible, seeded
-from pipecheck._numerics import ToleranceLike, check_tolerance
+from pipecheck._numerics import POWER_LIMIT, ToleranceLike, check_tolerance
 from pipecheck._optional_runners import OPTIONAL
 from pipecheck._pipe import split_module
-from pipecheck._report import Report, row_kind
+from pipecheck._report import Report, percent, row_kind
 from pipecheck._result import StepResult
 from pipecheck._runners import BUILTIN, run_reference
 from pipecheck._trace import check_tracer
@@ -178,6 +186,12 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
                     str(result_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings,
                     notes, pipe.tracer)
+    if tolerance == "auto" and report.blind:  # rows that pass whatever the runner did there
+        if report.ok:
+            raise PowerError(report.power_text(), report)
+        report.notes.append(f"{plural(len(report.blind), 'tensor')} could hide an error of {percent(POWER_LIMIT)} "
+                            f"or more ({report.dtype} eager is itself far from float64 there): their passing rows "
+                            "certify nothing; err.report.blind lists them, dtype=torch.float64 checks them")
     if not report.ok:
         # a factory that builds other weights on each call: no runner can match, whatever the table says
         refuse_unreproducible(factory, f"{len(report.failures)} of {len(report.rows)} tensors failed")

@@ -39,6 +39,7 @@ from pipecheck._errors import (
     EngineError,
     EquivalenceError,
     PipecheckError,
+    PowerError,
     TaskPickleError,
     UsageError,
     WorldError,
@@ -50,7 +51,8 @@ from pipecheck._report import MAX_LINES, Report
 EXIT_STATUSES = {
     0: "every check matches eager",
     1: "a mismatch: a runner does not compute what the eager model computes",
-    2: "usage or input error: a bad option, path, module or value, or an input pipecheck refuses",
+    2: "usage or input error: a bad option, path, module or value, or an input pipecheck refuses (a check "
+       "that cannot see a gross error included)",
     3: "engine or runtime error: the engine under test or pipecheck's worker processes failed to run",
     4: "internal error: a bug in pipecheck, or its adapter to torch or an engine broken by their release",
 }
@@ -64,6 +66,8 @@ def classify(error: BaseException) -> tuple[int, str]:
         return 1, "mismatch"
     if isinstance(error, UsageError):
         return 2, "usage error"
+    if isinstance(error, PowerError):
+        return 2, "no certificate"
     if isinstance(error, TaskPickleError):
         return 2, "input error"
     if isinstance(error, AdapterError):

@@ -32,7 +32,7 @@ from pipecheck._errors import plural
 from pipecheck._job import Job
 from pipecheck._localise import ReferenceByMicrobatch
 from pipecheck._microbatch import split_microbatches
-from pipecheck._numerics import Row, ToleranceLike, compare
+from pipecheck._numerics import Row, ToleranceLike, compare, judge_power
 from pipecheck._pipe import Pipe
 from pipecheck._reference import DetachExecutor
 from pipecheck._report import row_kind
@@ -52,7 +52,7 @@ def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref
     _compare_buffers(pipe, job, result, eager, ref64, tolerance, initial_buffers, rows, hints, notes)
     if check_grads:
         _compare_grads(pipe, job, result, eager, ref64, tolerance, rows, hints, reference)
-    return rows, hints, notes + nan_notes(rows)
+    return judge_power(rows), hints, notes + nan_notes(rows)
 
 
 def _compare_grads(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,

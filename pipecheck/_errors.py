@@ -196,6 +196,19 @@ class EquivalenceError(AssertionError, PipecheckError):
         self.report = report
 
 
+class PowerError(PipecheckError):
+    """The check matched but cannot see a gross error on some tensors, so it certifies nothing.
+
+    Under tolerance "auto", a tensor whose float32 eager run is itself far from the float64 truth
+    gets a tolerance wide enough to hide a gradient 10% off (``row.blind``). ``str(err)`` names those
+    tensors and the ways out; ``err.report`` is the full :class:`pipecheck.Report`.
+    """
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class WorldStartError(WorldError):
     """The worker processes of a :class:`pipecheck.World` could not be started."""
 

@@ -9,6 +9,16 @@ tensor passes when, at every element, its error against fp64 is at most
 plus a floor of a few machine epsilons of the dtype, relative to the element
 and to the tensor's scale. ``Tolerance(rtol, atol)`` compares against the eager
 run like ``torch.testing``; ``"exact"`` demands bitwise equality with it.
+
+Every tensor row also knows its power: the smallest error, relative to the
+tensor's largest true value, that its tolerance lets it see (``row.power``).
+Under "auto" an ill-conditioned float32 run (BatchNorm over two values) widens
+the tolerance until a gradient 25% off fits; such a row is ``blind`` (power
+above ``POWER_LIMIT``), and the check does not certify it. A tensor whose true
+value is negligible beside the largest of its kind (a gradient that cancels to
+zero) has no relative power to speak of; while it still sees every error above
+POWER_LIMIT of that largest value, it is ``numerically_zero``, never blind
+(:func:`judge_power`, over a check's rows).
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ from pipecheck._errors import InputError
 
 AUTO_MULTIPLE = 4.0
 AUTO_FLOOR_EPS = 2.0
+POWER_LIMIT = 0.1  # a row that cannot see an error of 10% of its tensor's scale sees no gross bug
+NEGLIGIBLE = 1e-4  # a tensor whose largest true value is below this fraction of its kind's largest is ~zero
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,14 @@ class Row:
     note: str = ""  # e.g. "missing", "shape differs", "not a tensor"
     n_nan: int = 0  # elements where the runner has NaN and the reference a number
     failing_microbatches: tuple[int, ...] | None = None  # an output's micro-batches that fail (None: not split)
+    # The smallest error, as a fraction of the tensor's largest true (or, under an explicit tolerance,
+    # eager) value, that the tolerance lets this row see; None where no tolerance applies (not a tensor).
+    power: float | None = None
+    scale: float = 0.0  # the tensor's largest true value (under an explicit tolerance: eager's)
+    bound: float = 0.0  # the largest error its tolerance allows anywhere (atol + rtol * scale)
+    eager_off: float | None = None  # under "auto": eager's own error against fp64, as a fraction of the scale
+    blind: bool = False  # set by judge_power: power above POWER_LIMIT on a tensor that is not negligible
+    numerically_zero: bool = False  # set by judge_power: tiny beside the largest of its kind (see there)
 
 
 def _failing_row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], note: str, tol: str) -> Row:
@@ -113,23 +133,78 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
     eager64 = eager.detach().to(dtype=torch.float64)
     if tolerance == "exact":
         failing = ~((test.detach().to(device) == eager.detach()) | (test64.isnan() & eager64.isnan()))
-        return _row(name, stages, shape, _Diff(test64, eager64), failing, lambda _: "exact", None, microbatches)
+        return _row(name, stages, shape, _Diff(test64, eager64), failing, lambda _: "exact", None, microbatches,
+                    _Power(_scale(eager64), 0.0, 0.0, None))
     if isinstance(tolerance, Tolerance):
         diff = _Diff(test64, eager64)
         return _row(name, stages, shape, diff, diff.failing(tolerance.atol, tolerance.rtol), lambda _: tol_text, None,
-                    microbatches)
+                    microbatches, _Power(_scale(eager64), tolerance.atol, tolerance.rtol, None))
     truth = ref64.detach().to(device=device, dtype=torch.float64)
     eps = torch.finfo(eager.dtype).eps if eager.is_floating_point() else 0.0
     rtol = AUTO_FLOOR_EPS * eps
     finite = torch.isfinite(truth) & torch.isfinite(eager64)  # a -inf mask entry is no measure of error
+    zero = torch.zeros((), dtype=torch.float64, device=device)
     if finite.any():  # a tensor: read back with the row's other numbers, in one transfer
         eager_err = torch.where(finite, (eager64 - truth).abs(), 0.0).max()
-        atol = AUTO_MULTIPLE * eager_err + AUTO_FLOOR_EPS * eps * torch.where(finite, truth.abs(), 0.0).max()
+        scale = torch.where(finite, truth.abs(), 0.0).max()
+        atol = AUTO_MULTIPLE * eager_err + AUTO_FLOOR_EPS * eps * scale
     else:
-        atol = torch.zeros((), dtype=torch.float64, device=device)
+        eager_err = scale = atol = zero
     diff = _Diff(test64, truth)
     return _row(name, stages, shape, diff, diff.failing(atol, rtol), lambda a: f"auto: atol {a:.1e} rtol {rtol:.1e}",
-                atol, microbatches)
+                atol, microbatches, _Power(scale, atol, rtol, eager_err))
+
+
+def _scale(values: torch.Tensor) -> torch.Tensor:
+    """The largest finite magnitude (0 for none)."""
+    finite = torch.isfinite(values)
+    return torch.where(finite, values.abs(), 0.0).max() if values.numel() else torch.zeros((), dtype=torch.float64)
+
+
+@dataclass
+class _Power:
+    """What a row's power is computed from (device tensors or numbers, read back with its other numbers):
+    the tensor's largest true magnitude, the bound ``atol + rtol * |value|``, and eager's own error
+    against the truth (None: no truth)."""
+
+    scale: torch.Tensor | float
+    atol: torch.Tensor | float
+    rtol: float
+    eager_error: torch.Tensor | float | None
+
+    def numbers(self, device: torch.device) -> list[torch.Tensor]:
+        return [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                for v in (self.scale, self.atol, -1.0 if self.eager_error is None else self.eager_error)]
+
+
+def power_of(scale: float, atol: float, rtol: float) -> float:
+    """The smallest error a row can see, as a fraction of ``scale`` (its largest true value)."""
+    if scale <= 0:
+        return 0.0 if atol <= 0 else float("inf")
+    return atol / scale + rtol
+
+
+def judge_power(rows: list[Row]) -> list[Row]:
+    """``rows`` with ``blind`` and ``numerically_zero`` set: a row is numerically zero when its largest
+    true value is below NEGLIGIBLE of the largest among rows of its kind (outputs, the loss, buffers,
+    gradients) and its bound below POWER_LIMIT of it; blind when it is not and its power is above
+    POWER_LIMIT."""
+    from pipecheck._report import row_kind
+
+    largest: dict[str, float] = {}
+    for row in rows:
+        kind = row_kind(row.name)
+        largest[kind] = max(largest.get(kind, 0.0), row.scale)
+    judged = []
+    for row in rows:
+        if row.power is None:
+            judged.append(row)
+            continue
+        of_kind = largest[row_kind(row.name)]
+        zero = row.scale < NEGLIGIBLE * of_kind and row.bound <= POWER_LIMIT * of_kind
+        judged.append(dataclasses.replace(row, numerically_zero=zero,
+                                          blind=row.power > POWER_LIMIT and not zero))
+    return judged
 
 
 class _Diff:
@@ -153,11 +228,13 @@ class _Diff:
 
 
 def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff, failing: torch.Tensor,
-         tol: Callable[[float], str], atol: torch.Tensor | None = None, microbatches: int = 0) -> Row:
+         tol: Callable[[float], str], atol: torch.Tensor | None = None, microbatches: int = 0,
+         power: _Power | None = None) -> Row:
     """The row's numbers, computed where the tensors are and read back in one transfer."""
     absolute = diff.abs
     if not absolute.numel():
-        return Row(name, tuple(stages), shape, True, 0.0, 0.0, tol(0.0), None, 0, 0)
+        return Row(name, tuple(stages), shape, True, 0.0, 0.0, tol(0.0), None, 0, 0, power=0.0)
+    power = power or _Power(_scale(diff.ref_abs), 0.0, 0.0, None)
     plain = diff.ref_finite & (diff.ref_abs != 0)  # where a relative error means something
     rel = torch.where(plain, absolute / torch.where(plain, diff.ref_abs, 1.0),
                       torch.where(absolute == 0, 0.0, float("inf")))
@@ -166,8 +243,10 @@ def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff
     numbers = torch.stack([absolute.max(), rel.max(), n_failing.to(torch.float64), worst_failing.to(torch.float64),
                            torch.argmax(absolute).to(torch.float64),
                            atol if atol is not None else torch.zeros((), dtype=torch.float64, device=absolute.device),
-                           diff.test_nan.sum().to(torch.float64)])
-    max_abs, max_rel, failing_count, flat_failing, flat_any, atol_value, nan_count = numbers.tolist()
+                           diff.test_nan.sum().to(torch.float64), *power.numbers(absolute.device)])
+    (max_abs, max_rel, failing_count, flat_failing, flat_any, atol_value, nan_count, scale, atol_bound,
+     eager_error) = numbers.tolist()
+    off = eager_error / scale if eager_error >= 0 and scale > 0 else None
     flat = flat_failing if failing_count else flat_any
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), absolute.shape)) if absolute.dim() else ()
     by_microbatch = None
@@ -175,7 +254,9 @@ def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff
         per_slice = failing.reshape(microbatches, -1).any(dim=1).tolist()  # only on failure: one more read
         by_microbatch = tuple(mb for mb, fails in enumerate(per_slice) if fails)
     return Row(name, tuple(stages), shape, failing_count == 0, max_abs, max_rel, tol(atol_value), index,
-               int(failing_count), absolute.numel(), n_nan=int(nan_count), failing_microbatches=by_microbatch)
+               int(failing_count), absolute.numel(), n_nan=int(nan_count), failing_microbatches=by_microbatch,
+               power=power_of(scale, atol_bound, power.rtol), scale=scale, bound=atol_bound + power.rtol * scale,
+               eager_off=off)
 
 
 def nonfinite(value: torch.Tensor) -> bool:

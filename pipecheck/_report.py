@@ -35,6 +35,22 @@ MAX_LINES = 40  # a report read whole at 2 a.m., and a test failure that does no
 KINDS = ("outputs", "loss", "buffers", "grads")  # in dataflow order: what the forward gives, then the step's
 
 
+def percent(fraction: float) -> str:
+    """``0.1`` -> ``"10%"``, ``2.8e-6`` -> ``"0.00028%"``."""
+    if fraction == float("inf"):
+        return "any size"
+    value = 100 * fraction
+    return f"{value:.0f}%" if value >= 10 else f"{value:.2g}%"
+
+
+def percent_ceiling(fraction: float) -> str:
+    """``fraction`` rounded up to a power of ten, in percent, and never below 0.001% (about 100 float32
+    epsilons): ``2.8e-6`` -> ``"0.001%"``, ``0.03`` -> ``"10%"``. A claim stable across the small changes
+    that inputs and torch releases make to rounding errors, and never more than the check can see."""
+    exponent = math.ceil(math.log10(100 * max(fraction, 1e-5)) - 1e-9)
+    return f"{10.0 ** exponent:.{max(0, -exponent)}f}%"
+
+
 def _num(x: float) -> str:
     return f"{x:.2e}" if x == x and x != float("inf") else ("inf" if x == float("inf") else "nan")
 
@@ -202,14 +218,56 @@ class Report:
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
 
-    def headline(self) -> str:
+    @property
+    def power(self) -> float | None:
+        """The largest error, as a fraction of its tensor's largest true value, that some compared tensor
+        could hide: the check sees every error above it on every tensor (numerically zero tensors aside,
+        which see only gross errors). None: no tensor was compared under a tolerance."""
+        powers = [r.power for r in self.rows if r.power is not None and not r.numerically_zero]
+        return max(powers) if powers else None
+
+    @property
+    def blind(self) -> list[Row]:
+        """Rows that could hide an error of POWER_LIMIT (10%) of their tensor's scale."""
+        return [r for r in self.rows if r.blind]
+
+    def _settings(self) -> str:
         split_by = f" split by {self.tracer}" if self.tracer else ""
-        settings = (f"tolerance {self.tolerance}, {self.dtype}, {plural(self.num_stages, 'stage')}{split_by}, "
-                    f"{plural(self.n_microbatches, 'micro-batch')}")
+        return (f"tolerance {self.tolerance}, {self.dtype}, {plural(self.num_stages, 'stage')}{split_by}, "
+                f"{plural(self.n_microbatches, 'micro-batch')}")
+
+    def headline(self) -> str:
         if self.ok:
-            return f"pipecheck: runner {self.runner!r} matches eager ({len(self.rows)} tensors; {settings})"
+            power = self.power
+            zero = sum(r.numerically_zero for r in self.rows)
+            sees = "" if power is None else (f"; can see errors >= {percent_ceiling(power)} on every row"
+                                             + (f" but {zero} numerically zero" if zero else ""))
+            return f"pipecheck: runner {self.runner!r} matches eager ({len(self.rows)} tensors{sees}; {self._settings()})"
         return (f"pipecheck: runner {self.runner!r} does not match eager "
-                f"({len(self.failures)} of {len(self.rows)} tensors fail; {settings})")
+                f"({len(self.failures)} of {len(self.rows)} tensors fail; {self._settings()})")
+
+    def power_text(self, max_lines: int = MAX_LINES) -> str:
+        """Why a matching check certifies nothing (the PowerError's message): the tensors that could hide
+        a gross error, how far eager float32 itself is from float64 on each, and the ways out."""
+        from pipecheck._numerics import POWER_LIMIT
+
+        blind = sorted(self.blind, key=lambda r: -(r.power or 0.0))
+        head = (f"runner {self.runner!r} matched eager, but that certifies nothing: "
+                f"{len(blind)} of {len(self.rows)} tensors could hide an error of {percent(POWER_LIMIT)} or more "
+                f"({self._settings()})\n"
+                f"The {self.dtype} eager run is itself far from the float64 truth on them, and tolerance 'auto' "
+                "grows with that error, until a wrong gradient fits.\n\n")
+        fix = (f"Fix: make the {self.dtype} run well-conditioned (larger micro-batches, or eval mode: BatchNorm over "
+               "a few values per channel is ill-conditioned), check in float64 (dtype=torch.float64: eager, runner "
+               "and truth in float64), or accept what it can see with an explicit tolerance=pc.Tolerance(rtol=..., "
+               "atol=...).")
+        shown = blind[:max(1, max_lines - 9)]
+        cells = [(r.name, ",".join(map(str, r.stages)) or "-", percent(r.power or 0.0),
+                  "-" if r.eager_off is None else percent(r.eager_off)) for r in shown]
+        table = format_plain_table(("tensor", "stage", "can see errors >=", f"eager {self.dtype} off float64 by"),
+                                   cells)
+        more = f"\n... {len(blind) - len(shown)} more: err.report.blind lists them" if len(blind) > len(shown) else ""
+        return head + table + more + "\n" + fix
 
     def table(self) -> str:
         """Every row, passing and failing, with its hint: the whole of what ``str(report)`` may cut."""

@@ -92,3 +92,24 @@ def _plus_one_on_rank_1(x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     return x + 1 if dist.is_initialized() and dist.get_rank() == 1 else x
+
+
+class NearlyEqualBatchNorm(nn.Module):
+    """Linear + BatchNorm1d + ReLU blocks: on inputs whose samples differ by 1e-5 of their size, with
+    micro-batches of two, each BatchNorm normalises two nearly equal values and the float32 run is far
+    from the float64 truth (a stand-in for torchvision's resnet50 in train mode on 32x32 images)."""
+
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU())
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def nearly_equal_samples(spread: float = 1e-5, batch: int = 8, width: int = 16) -> torch.Tensor:
+    return 10 + spread * torch.randn(batch, width, generator=torch.Generator().manual_seed(0))

@@ -593,7 +593,9 @@ def test_report_on_success_has_a_row_for_every_output_the_loss_and_every_paramet
     assert report.row("output['extra'][0]").stages == (1,)
     assert report.row("output['logits']").stages == (2,)
     assert report.ok and not report.failures
+    zero = sum(row.numerically_zero for row in report.rows)
     assert report.headline() == (f"pipecheck: runner 'reference' matches eager ({len(names)} tensors; "
+                                 f"can see errors >= 0.001% on every row but {zero} numerically zero; "
                                  "tolerance auto, float32, 3 stages split by fx, 4 micro-batches)")
     assert set(report.timings) >= {"build_s", "split_s", "eager_s", "fp64_s", "runner_s", "compare_s", "total_s"}
 

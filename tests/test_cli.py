@@ -234,8 +234,9 @@ def test_an_input_error_exits_2(args: list[str], message: str, user_dir: Path) -
 def test_a_match_exits_0_with_the_report_on_stdout(user_dir: Path) -> None:
     result = run_cli(REFERENCE, user_dir, script=True)
     assert result.returncode == 0, result.stderr
-    assert first_line(result.stdout) == ("pipecheck: runner 'reference' matches eager (6 tensors; tolerance auto, "
-                                         "float32, 2 stages split by fx, 4 micro-batches)")
+    assert first_line(result.stdout) == ("pipecheck: runner 'reference' matches eager (6 tensors; can see errors "
+                                         ">= 0.001% on every row; tolerance auto, float32, 2 stages split by fx, "
+                                         "4 micro-batches)")
     assert result.stderr == ""
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import given
 
+import pipecheck as pc
 from pipecheck import strategies as pst
 
 FP32 = pst.pipeline_cases()
@@ -62,7 +63,10 @@ def test_generated_cases_match_eager_in_bf16_on_the_reference_runner(
     case: pst.PipelineCase,
 ) -> None:
     record("reference-bf16", case)
-    case.check("reference")
+    try:
+        case.check("reference")
+    except pc.PowerError as refused:  # bfloat16 may not see an error of 10% on a row: matched, and said so
+        assert refused.report.ok and refused.report.blind
 
 
 @given(DISTRIBUTED)

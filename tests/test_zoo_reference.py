@@ -24,7 +24,15 @@ def _check(entry: fixtures.ZooModel, style: str, **options: object) -> pc.Report
 @pytest.mark.parametrize(("entry", "style"), CASES)
 def test_zoo_model_matches_eager(entry: fixtures.ZooModel, style: str, dtype: torch.dtype | None,
                                  n_microbatches: int) -> None:
-    report = _check(entry, style, dtype=dtype, n_microbatches=n_microbatches)
+    if dtype is None:
+        report = _check(entry, style, dtype=dtype, n_microbatches=n_microbatches)
+        assert not report.blind
+    else:  # bfloat16 is 2-3% off float64 on some gradients: a row may not see an error of 10%, and says so
+        try:
+            report = _check(entry, style, dtype=dtype, n_microbatches=n_microbatches)
+        except pc.PowerError as refused:
+            report = refused.report
+            assert report.blind and "The bfloat16 eager run is itself far from the float64 truth" in str(refused)
     assert report.ok
     assert report.num_stages == entry.num_stages
     assert report.dtype == ("bfloat16" if dtype is torch.bfloat16 else "float32")
