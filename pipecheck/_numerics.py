@@ -15,10 +15,10 @@ tensor's largest true value, that its tolerance lets it see (``row.power``).
 Under "auto" an ill-conditioned float32 run (BatchNorm over two values) widens
 the tolerance until a gradient 25% off fits; such a row is ``blind`` (power
 above ``POWER_LIMIT``), and the check does not certify it. A tensor whose true
-value is negligible beside the largest of its kind (a gradient that cancels to
-zero) has no relative power to speak of; while it still sees every error above
-POWER_LIMIT of that largest value, it is ``numerically_zero``, never blind
-(:func:`judge_power`, over a check's rows).
+value is zero, or negligible beside the largest of its kind and at the level of
+eager's own error of it (a gradient that cancels to zero: float32 cannot
+resolve it at all), has no relative power to speak of and is
+``numerically_zero``, never blind (:func:`judge_power`, over a check's rows).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from pipecheck._errors import InputError
 AUTO_MULTIPLE = 4.0
 AUTO_FLOOR_EPS = 2.0
 POWER_LIMIT = 0.1  # a row that cannot see an error of 10% of its tensor's scale sees no gross bug
-NEGLIGIBLE = 1e-4  # a tensor whose largest true value is below this fraction of its kind's largest is ~zero
+NEGLIGIBLE = 1e-4  # a tensor whose largest true value is below this fraction of its kind's largest is small
+NOISE_LEVEL = 0.25  # ... and numerically zero when eager is off by this fraction of it or more: eager cannot resolve it
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,10 @@ class _Power:
     eager_error: torch.Tensor | float | None
 
     def numbers(self, device: torch.device) -> list[torch.Tensor]:
-        return [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+        """Device scalars, read back with the row's other numbers (a Python number is filled on the
+        device, never copied from the host: no sync per row on a GPU)."""
+        return [v.to(torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+                else torch.full((), float(v), dtype=torch.float64, device=device)
                 for v in (self.scale, self.atol, -1.0 if self.eager_error is None else self.eager_error)]
 
 
@@ -185,23 +189,27 @@ def power_of(scale: float, atol: float, rtol: float) -> float:
 
 
 def judge_power(rows: list[Row]) -> list[Row]:
-    """``rows`` with ``blind`` and ``numerically_zero`` set: a row is numerically zero when its largest
-    true value is below NEGLIGIBLE of the largest among rows of its kind (outputs, the loss, buffers,
-    gradients) and its bound below POWER_LIMIT of it; blind when it is not and its power is above
-    POWER_LIMIT."""
+    """``rows`` with ``blind`` and ``numerically_zero`` set. A row is numerically zero when its true value
+    is exactly zero, or when it is below NEGLIGIBLE of the largest value of its kind (gradients with
+    gradients, outputs with outputs; the loss with the outputs) while eager is off by NOISE_LEVEL of it
+    or more (eager cannot resolve it: a sum that cancels). A buffer never is (a mask buffer's huge fill
+    value would excuse its neighbours). A row is blind when it is not numerically zero and its power is
+    above POWER_LIMIT."""
     from pipecheck._report import row_kind
 
     largest: dict[str, float] = {}
     for row in rows:
         kind = row_kind(row.name)
         largest[kind] = max(largest.get(kind, 0.0), row.scale)
+    largest["loss"] = max(largest.get("loss", 0.0), largest.get("outputs", 0.0))
     judged = []
     for row in rows:
-        if row.power is None:
+        if row.power is None or not row.numel:
             judged.append(row)
             continue
-        of_kind = largest[row_kind(row.name)]
-        zero = row.scale < NEGLIGIBLE * of_kind and row.bound <= POWER_LIMIT * of_kind
+        kind = row_kind(row.name)
+        zero = row.scale == 0 or (kind != "buffers" and row.scale < NEGLIGIBLE * largest[kind]
+                                  and row.eager_off is not None and row.eager_off >= NOISE_LEVEL)
         judged.append(dataclasses.replace(row, numerically_zero=zero,
                                           blind=row.power > POWER_LIMIT and not zero))
     return judged

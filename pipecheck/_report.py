@@ -47,6 +47,8 @@ def percent_ceiling(fraction: float) -> str:
     """``fraction`` rounded up to a power of ten, in percent, and never below 0.001% (about 100 float32
     epsilons): ``2.8e-6`` -> ``"0.001%"``, ``0.03`` -> ``"10%"``. A claim stable across the small changes
     that inputs and torch releases make to rounding errors, and never more than the check can see."""
+    if fraction == float("inf"):
+        return "any size"
     exponent = math.ceil(math.log10(100 * max(fraction, 1e-5)) - 1e-9)
     return f"{10.0 ** exponent:.{max(0, -exponent)}f}%"
 
@@ -258,9 +260,9 @@ class Report:
                 f"The {self.dtype} eager run is itself far from the float64 truth on them, and tolerance 'auto' "
                 "grows with that error, until a wrong gradient fits.\n\n")
         fix = (f"Fix: make the {self.dtype} run well-conditioned (larger micro-batches, or eval mode: BatchNorm over "
-               "a few values per channel is ill-conditioned), check in float64 (dtype=torch.float64: eager, runner "
-               "and truth in float64), or accept what it can see with an explicit tolerance=pc.Tolerance(rtol=..., "
-               "atol=...).")
+               "a few values per channel is ill-conditioned), check in float64 (dtype=torch.float64, or --dtype "
+               "float64 on the command line: eager, runner and truth in float64), or accept what it can see with "
+               "an explicit tolerance=pc.Tolerance(rtol=..., atol=...).")
         shown = blind[:max(1, max_lines - 9)]
         cells = [(r.name, ",".join(map(str, r.stages)) or "-", percent(r.power or 0.0),
                   "-" if r.eager_off is None else percent(r.eager_off)) for r in shown]

@@ -14,6 +14,7 @@ from pipecheck.fixtures import get
 
 import pipecheck as pc
 from pipecheck._numerics import NEGLIGIBLE, POWER_LIMIT, Row, compare, judge_power, power_of
+from pipecheck._report import percent_ceiling
 from pipecheck._runners import run_reference
 
 CUT = {"layers.2": pc.SplitPoint.BEGINNING}
@@ -109,23 +110,38 @@ def test_power_is_the_bound_over_the_scale(scale: float, atol: float, rtol: floa
     assert power_of(scale, atol, rtol) == pytest.approx(expected)
 
 
-def _row(name: str, scale: float, bound: float) -> Row:
-    return Row(name, (0,), (4,), True, 0.0, 0.0, "auto", None, 0, 4, power=power_of(scale, bound, 0.0), scale=scale,
-               bound=bound)
+def _row(name: str, scale: float, bound: float, eager_off: float | None = 0.01, numel: int = 4) -> Row:
+    return Row(name, (0,), (numel,), True, 0.0, 0.0, "auto", None, 0, numel, power=power_of(scale, bound, 0.0),
+               scale=scale, bound=bound, eager_off=eager_off)
 
 
 def test_blind_and_numerically_zero_are_judged_against_the_largest_value_of_the_kind() -> None:
-    rows = judge_power([_row("grad a", 1.0, 1e-6), _row("grad b", 0.5, 0.2), _row("grad c", 1e-9, 1e-8),
-                        _row("grad d", 1e-9, 0.5), _row("loss", 1e-9, 1e-8)])
+    rows = judge_power([
+        _row("output", 2.0, 1e-6), _row("grad a", 1.0, 1e-6), _row("grad b", 0.5, 0.2),
+        _row("grad c", 1e-9, 1e-9, eager_off=1.0), _row("grad d", 1e-9, 1e-9, eager_off=0.05),
+        _row("grad e", 0.0, 1e-8), _row("grad f", 0.0, 0.0, numel=0),
+        _row("loss", 1e-12, 4e-12, eager_off=1.0), _row("buffer m", 1e-9, 1e-9, eager_off=1.0),
+        _row("buffer big", 1e9, 1.0), _row("grad x", 1.0, 0.5, eager_off=None)])
     judged = {row.name: (row.blind, row.numerically_zero) for row in rows}
     assert judged == {
+        "output": (False, False),
         "grad a": (False, False),  # sees 1e-6 of its scale
         "grad b": (True, False),  # cannot see 40% of a gradient as large as the others
-        "grad c": (False, True),  # a gradient a billionth of the largest: it sees any error that matters
-        "grad d": (True, False),  # tiny, but its bound lets an error half the largest gradient's size by
-        "loss": (True, False),  # alone of its kind: judged by its own scale
+        "grad c": (False, True),  # a billionth of the largest, and eager cannot resolve it at all
+        "grad d": (True, False),  # as small, but eager resolves it to 5%: a bug there can hide
+        "grad e": (False, True),  # exactly zero
+        "grad f": (False, False),  # empty: nothing to judge
+        "loss": (False, True),  # a loss that cancels, beside outputs of size 2
+        "buffer m": (True, False),  # a buffer is never excused (a mask's huge fill would excuse its neighbours)
+        "buffer big": (False, False),
+        "grad x": (True, False),  # an explicit tolerance: no truth to call it zero by
     }
     assert NEGLIGIBLE < POWER_LIMIT
+
+
+def test_an_infinite_power_is_said_in_words() -> None:
+    assert percent_ceiling(float("inf")) == "any size"
+    assert percent_ceiling(2.8e-6) == "0.001%" and percent_ceiling(0.03) == "10%"
 
 
 def test_a_row_s_power_is_its_bound_over_its_scale() -> None:
@@ -137,3 +153,12 @@ def test_a_row_s_power_is_its_bound_over_its_scale() -> None:
     assert row.power == pytest.approx((4 * eager_error + 2 * eps * 4.0) / 4.0 + 2 * eps)
     assert row.eager_off == pytest.approx(eager_error / 4.0)
     assert compare("w", eager, eager, None, "exact").power == 0.0
+
+
+def test_a_refused_zoo_cell_reads_refused_and_says_why() -> None:
+    from pipecheck._cli_zoo import zoo_cell
+
+    cell = zoo_cell(lambda: _ill_conditioned("reference"))
+    assert cell.outcome == "refused"
+    assert cell.text.startswith("REFUSED: ") and "blind" in cell.text
+    assert "certifies nothing" in cell.message

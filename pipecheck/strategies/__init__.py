@@ -5,9 +5,12 @@
     from hypothesis import given
     from pipecheck import strategies as pst
 
-    @given(pst.pipeline_cases(dtypes=(torch.float32, torch.bfloat16)))
+    @given(pst.pipeline_cases(dtypes=(torch.float32, torch.float64)))
     def test_pipeline_matches_eager(case):
         case.check()          # pc.assert_equivalent(...), with the repro in any failure
+
+In bfloat16 some rows of a case may not see an error of 10% (the eager run is itself far from
+float64 there): ``case.check()`` then raises :class:`pipecheck.PowerError`, which says so.
 
 ``models()`` draws a :class:`ModelSpec`, ``cut_points(spec)`` its split_specs,
 ``inputs(spec)`` its inputs, ``pipeline_cases()`` a whole :class:`PipelineCase`.
