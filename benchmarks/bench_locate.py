@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -94,28 +93,19 @@ def main() -> None:
         n, o = statistics.median(new), statistics.median(old)
         rows.append(f"| {label} | {o * 1e3:.1f} | {n * 1e3:.1f} | {n / o:.2f} |")
         print(rows[-1], flush=True)
-    import torch
+    try:  # after the cases: this driver imports torch only to describe the machine
+        from _results import machine, write_section
+    except ImportError:  # run as a module from the repo root
+        from benchmarks._results import machine, write_section
 
     table = "\n".join([
-        "## Locating a failure (first divergence and fitted hints)", "",
         f"`python benchmarks/bench_locate.py --baseline <checkout of the commit before> --repeats {args.repeats} "
-        f"--checks {args.checks}`; {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {torch.__version__}. Medians of {args.repeats} processes per code base, run alternating, each the "
-        f"median of {args.checks} checks after a warm-up; one intra-op thread.", "",
+        f"--checks {args.checks}`; {machine()}. Medians of {args.repeats} processes per code base, run "
+        f"alternating, each the median of {args.checks} checks after a warm-up; one intra-op thread.", "",
         "| case | before (ms) | with locating (ms) | ratio |", "| --- | --- | --- | --- |", *rows, ""])
     print(table)
     if args.write:
-        results = HERE / "RESULTS.md"
-        text = results.read_text()
-        head = "## Locating a failure"
-        if head in text:
-            start = text.index(head)
-            end = text.find("\n## ", start + 1)
-            text = text[:start] + table + (text[end + 1:] if end != -1 else "")
-        else:
-            text = text.rstrip("\n") + "\n\n" + table
-        results.write_text(text)
-
+        write_section("Locating a failure (first divergence and fitted hints)", table)
 
 if __name__ == "__main__":
     main()

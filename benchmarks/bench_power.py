@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +32,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import _odd_models  # noqa: E402
+
+try:
+    from _results import machine, write_section
+except ImportError:  # run as a module from the repo root
+    from benchmarks._results import machine, write_section
 from pipecheck.fixtures import get  # noqa: E402
 
 import pipecheck as pc  # noqa: E402
@@ -130,10 +133,8 @@ def main() -> None:
             lines.append(f"| {model} | {mode} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
     table = "\n".join([
-        "## Power: planted bugs on ill-conditioned models", "",
         "Command: `python benchmarks/bench_power.py`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"torch {torch.__version__}. Runner 'reference' and broken runners built on it, in one process; "
+        f"Machine: {machine()}. Runner 'reference' and broken runners built on it, in one process; "
         "'float64' reruns the check with dtype=torch.float64 (eager, runner and truth in float64).", "",
         "| model | check | " + " | ".join(RUNNERS) + " |",
         "| --- | --- | " + " | ".join("---" for _ in RUNNERS) + " |", *lines, "",
@@ -141,16 +142,7 @@ def main() -> None:
         "could hide an error of 10%; before rows knew their power, each of those read 'matches eager'.", ""])
     print(table)
     if args.write:
-        results = HERE / "RESULTS.md"
-        text = results.read_text()
-        head = "## Power: planted bugs"
-        if head in text:
-            start = text.index(head)
-            end = text.find("\n## ", start + 1)
-            text = text[:start] + table + (text[end + 1:] if end != -1 else "")
-        else:
-            text = text.rstrip("\n") + "\n\n" + table
-        results.write_text(text)
+        write_section("Power: planted bugs on ill-conditioned models", table)
 
 
 if __name__ == "__main__":
