@@ -30,8 +30,6 @@ from pipecheck._eager import (
     check_deterministic,
     check_finite,
     eager_step,
-    float64_failure_explained,
-    in_float64,
     refuse_random,
     result_dtype,
 )
@@ -44,7 +42,7 @@ from pipecheck._errors import (
     TraceError,
     plural,
 )
-from pipecheck._inputs import cast_inputs, prepare_inputs
+from pipecheck._inputs import prepare_inputs
 from pipecheck._job import Job, Runner
 from pipecheck._localise import ReferenceByMicrobatch, locate, not_located
 from pipecheck._model_factory import ModelFactory, refuse_unreproducible, seeded
@@ -56,6 +54,7 @@ from pipecheck._result import StepResult
 from pipecheck._runners import BUILTIN, run_reference
 from pipecheck._trace import check_tracer
 from pipecheck._traced import SplitSpec
+from pipecheck._truth64 import float64_truth
 from pipecheck._world_spawn import refuse_unguarded_main
 from pipecheck.losses import LossFn, projection_loss
 from pipecheck.policies import Policy
@@ -159,13 +158,10 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     inputs = inputs.unspoiled()
     with clock("probe_s"):  # two forwards of one micro-batch
         check_deterministic(built, inputs, n_microbatches, seed)
-    with clock("fp64_s"), seeded(seed), buffers_kept(built), in_float64(built) as model64:  # built as it was
-        args64, kwargs64, _ = inputs.unspoiled().to64()
-        with float64_failure_explained(model64):
-            ref64, _ = eager_step(model64, inputs, loss_fn or projection_loss, n_microbatches, check_grads,
-                                  args=args64, kwargs=kwargs64,
-                                  target=cast_inputs(target_used, torch.float64, None, copy=True))
-    del built, args64, kwargs64
+    with clock("fp64_s"):  # built as it was after
+        ref64 = float64_truth(built, inputs, loss_fn or projection_loss, target_used, n_microbatches, check_grads,
+                              seed)
+    del built
     check_finite(eager)
 
     inputs = inputs.unspoiled()

@@ -48,11 +48,25 @@ def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref
     hints: dict[str, str] = {}
     notes: list[str] = []
     _compare_outputs(pipe, job, result, eager, ref64, tolerance, rows, hints)
-    rows.append(compare("loss", result.loss, eager.loss, ref64.loss, tolerance, (pipe.num_stages - 1,)))
+    rows.append(compare("loss", result.loss, eager.loss, ref64.loss, tolerance, (pipe.num_stages - 1,),
+                        truth_error=_error(ref64, "loss")))
     _compare_buffers(pipe, job, result, eager, ref64, tolerance, initial_buffers, rows, hints, notes)
     if check_grads:
         _compare_grads(pipe, job, result, eager, ref64, tolerance, rows, hints, reference)
-    return judge_power(rows), hints, notes + nan_notes(rows)
+    return judge_power(rows), hints, getattr(ref64, "notes", []) + notes + nan_notes(rows)
+
+
+def _error(ref64: StepResult, field: str, key: Any = None) -> torch.Tensor | None:
+    """How far the truth's own value may be off (a float64 truth that ran some op in float32:
+    pipecheck._truth64.Truth.error), or None: exact. ``key`` picks a gradient, buffer or output leaf."""
+    error = getattr(ref64, "error", None)
+    if error is None:
+        return None
+    if field == "outputs":
+        leaves = pytree.tree_leaves(error.outputs)
+        return leaves[key] if key < len(leaves) else None
+    value = getattr(error, field)
+    return value.get(key) if isinstance(value, dict) else value
 
 
 def _compare_grads(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref64: StepResult,
@@ -63,7 +77,7 @@ def _compare_grads(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, 
     _diagnose_microbatch_weights(job, result, rows, hints, reference)
     for name, e_grad in eager.input_grads.items():
         _grad_row(f"grad input {name}", result.input_grads.get(name), e_grad, ref64.input_grads[name],
-                  tolerance, _consumers(pipe, name), job, rows, hints)
+                  tolerance, _consumers(pipe, name), job, rows, hints, truth_error=_error(ref64, "input_grads", name))
     _unexpected_grads(result.grads, eager.grads, "grad ", pipe.param_stages, rows, hints,
                       "eager computes no gradient here (an unused or frozen parameter, or not an original FQN: "
                       "runners key gradients by model.named_parameters() names)")
@@ -114,7 +128,8 @@ def _compare_buffers(pipe: Pipe, job: Job, result: StepResult, eager: StepResult
         if fqn not in result.buffers and fqn not in changed:
             continue  # never touched by the step: a runner need not report it
         name = f"buffer {fqn}"
-        row = compare(name, result.buffers.get(fqn), after, ref64.buffers[fqn], tolerance, pipe.buffer_stages(fqn))
+        row = compare(name, result.buffers.get(fqn), after, ref64.buffers[fqn], tolerance, pipe.buffer_stages(fqn),
+                      truth_error=_error(ref64, "buffers", fqn))
         rows.append(row)
         if not row.ok and row.numel and fqn in changed and job.n_microbatches > 1:
             failing.append(fqn)
@@ -155,7 +170,8 @@ def _compare_outputs(pipe: Pipe, job: Job, result: StepResult, eager: StepResult
         stages = (source.stage,) if source is not None and source.stage is not None else last
         name = eager_names[i]
         test = test_out.get(name)
-        row = compare(name, test, e_leaf, r_leaf, tolerance, stages, microbatches=job.n_microbatches)
+        row = compare(name, test, e_leaf, r_leaf, tolerance, stages, microbatches=job.n_microbatches,
+                      truth_error=_error(ref64, "outputs", i))
         rows.append(row)
         if name not in test_out:
             hints[name] = f"output structure differs: the runner returned {sorted(test_out) or 'no outputs'}"
@@ -170,10 +186,11 @@ def _compare_outputs(pipe: Pipe, job: Job, result: StepResult, eager: StepResult
 
 def _grad_row(name: str, test: Any, e_grad: torch.Tensor, truth: torch.Tensor, tolerance: ToleranceLike,
               stages: tuple[int, ...], job: Job, rows: list[Row], hints: dict[str, str],
-              shares: Callable[[], list[tuple[int, torch.Tensor]]] = list) -> None:
+              shares: Callable[[], list[tuple[int, torch.Tensor]]] = list,
+              truth_error: torch.Tensor | None = None) -> None:
     """One gradient's row, with a hint when it fails in a recognisable way (``shares`` is only
     called then: a tied parameter's per-stage shares cost one more reference run)."""
-    row = compare(name, test, e_grad, truth, tolerance, stages)
+    row = compare(name, test, e_grad, truth, tolerance, stages, truth_error=truth_error)
     rows.append(row)
     if not row.ok and row.numel and isinstance(test, torch.Tensor):
         hint = diagnose_grad(test, truth, job.n_microbatches, shares())
@@ -196,11 +213,12 @@ def _compare_param_grads(pipe: Pipe, job: Job, result: StepResult, eager: StepRe
 
     for fqn, e_grad in eager.grads.items():
         truth, stages = ref64.grads[fqn], pipe.param_stages(fqn)
+        error = _error(ref64, "grads", fqn)
         _grad_row(f"grad {fqn}", result.grads.get(fqn), e_grad, truth, tolerance, stages, job, rows, hints,
-                  shares_of(fqn))
+                  shares_of(fqn), error)
         for stage, replica in sorted(result.replica_grads.get(fqn, {}).items()):
             _grad_row(f"grad {fqn} (replica in stage {stage})", replica, e_grad, truth, tolerance, (stage,),
-                      job, rows, hints, shares_of(fqn))
+                      job, rows, hints, shares_of(fqn), error)
 
 
 def _unexpected_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], prefix: str,

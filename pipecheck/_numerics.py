@@ -102,10 +102,11 @@ def _failing_row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], not
 
 
 def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLike,
-            stages: tuple[int, ...] = (), microbatches: int = 0) -> Row:
+            stages: tuple[int, ...] = (), microbatches: int = 0, truth_error: torch.Tensor | None = None) -> Row:
     """One row of the report; ``ref64`` is only read under ``"auto"``. With ``microbatches`` > 1 (an
     output merged from that many equal micro-batch slices along dim 0), a failing row also names the
-    micro-batches whose slice holds a failing element."""
+    micro-batches whose slice holds a failing element. ``truth_error``: how far ``ref64`` itself may
+    be off, element by element (a truth that ran an op in float32); "auto" adds it to eager's error."""
     tol_text = "exact" if tolerance == "exact" else str(tolerance)
     if not isinstance(eager, torch.Tensor):
         try:
@@ -125,8 +126,10 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
         if not (eager.is_complex() and test.is_complex()):
             return _failing_row(name, stages, shape, f"runner's dtype {test.dtype} != eager's {eager.dtype}", tol_text)
         real = torch.view_as_real(ref64.detach()) if isinstance(ref64, torch.Tensor) and ref64.is_complex() else ref64
+        error = (torch.view_as_real(truth_error) if isinstance(truth_error, torch.Tensor) and truth_error.is_complex()
+                 else None)
         row = compare(name, torch.view_as_real(test.detach()), torch.view_as_real(eager.detach()), real, tolerance,
-                      stages)
+                      stages, truth_error=error)
         index = row.worst_index[:-1] if row.worst_index is not None else None  # the element, not its part
         return dataclasses.replace(row, shape=shape, worst_index=index)
     device = eager.device  # compared where eager's result lives: no copy to the host per tensor
@@ -147,6 +150,8 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
     zero = torch.zeros((), dtype=torch.float64, device=device)
     if finite.any():  # a tensor: read back with the row's other numbers, in one transfer
         eager_err = torch.where(finite, (eager64 - truth).abs(), 0.0).max()
+        if isinstance(truth_error, torch.Tensor) and truth_error.shape == truth.shape:
+            eager_err = eager_err + torch.where(finite, truth_error.to(truth).nan_to_num(), 0.0).max()
         scale = torch.where(finite, truth.abs(), 0.0).max()
         atol = AUTO_MULTIPLE * eager_err + AUTO_FLOOR_EPS * eps * scale
     else:

@@ -651,7 +651,7 @@ def test_a_forward_that_writes_into_its_input_never_touches_the_users_tensor() -
 
 
 class NoFloat64Kernel(nn.Module):
-    """Runs in float32; one op refuses float64, as torch._grouped_mm does on CPU."""
+    """Runs in float32; its own code refuses float64 (no op pipecheck could run in float32 instead)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -665,13 +665,13 @@ class NoFloat64Kernel(nn.Module):
         return self.b(h)
 
 
-def test_an_op_without_a_float64_kernel_is_named_as_the_ground_truth_s_failure_not_the_model_s() -> None:
+def test_a_model_that_refuses_float64_is_named_as_the_ground_truth_s_failure_not_the_model_s() -> None:
     with pytest.raises(pc.InputError) as caught:
         pc.assert_equivalent(NoFloat64Kernel(), (torch.randn(8, 4),), runner="reference", n_microbatches=2)
     message = str(caught.value)
     assert message.startswith("the float64 copy of NoFloat64Kernel (pipecheck's ground truth) failed where the "
                               "model itself ran in its own dtype: the eager model failed on one micro-batch")
-    assert "got Double" in message and "has no float64 kernel on cpu" in message
+    assert "got Double" in message and "the model's own code refuses float64" in message
     assert "experts_implementation='batched_mm'" in message
 
 

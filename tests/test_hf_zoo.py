@@ -4,15 +4,17 @@ torch.distributed.pipelining's own results on them are checked too, as the READM
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
 from _torch_findings import HF_TIED_CRASH, HF_TIED_RUNS, ROTARY, ROTARY_NO_GRAD, ROTARY_STAGE  # noqa: E402
-from pipecheck.fixtures import HF_ZOO, get  # noqa: E402
+from pipecheck.fixtures import HF_ZOO, get, hf  # noqa: E402
 
 import pipecheck as pc  # noqa: E402
 
@@ -51,6 +53,25 @@ def test_hf_models_match_on_the_reference_and_the_runtime(pipecheck_world: Any, 
 TIED = {"hf_gpt2": "transformer.wte.weight", "hf_bert": "bert.embeddings.word_embeddings.weight"}
 MOE = {"hf_mixtral": {f"grad model.layers.{layer}.mlp.{param}": (layer // 2,) for layer in range(4)
                       for param in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")}}
+
+
+def test_mixtral_on_transformers_default_grouped_mm_experts_matches_on_an_exact_float64_truth(
+        pipecheck_world: Any) -> None:
+    """torch._grouped_mm has no float64 kernel on CPU: pipecheck's truth computes it with its own."""
+    try:
+        torch._grouped_mm(torch.ones(4, 4), torch.ones(1, 4, 4).transpose(-2, -1),
+                          offs=torch.tensor([4], dtype=torch.int32))
+    except (AttributeError, RuntimeError):
+        pytest.skip("this torch has no torch._grouped_mm on CPU")
+    entry = get("hf_mixtral")
+    args, kwargs = entry.inputs()
+    factory = functools.partial(hf.mixtral, experts="grouped_mm")
+    for runner, world in (("reference", None), ("distributed", pipecheck_world(2))):
+        report = pc.assert_equivalent(factory, args, kwargs, runner=runner, world=world,
+                                      n_microbatches=N_MICROBATCHES, **entry.cut("spec"))
+        assert report.ok and report.num_stages == 2 and report.power < 1e-4, (runner, report)
+        assert any("torch.ops.aten._grouped_mm with pipecheck's float64 implementation" in note
+                   for note in report.notes), report.notes
 
 
 # Before transformers 5.24 torch fails on Llama's no_grad rotary embedding first (_torch_findings).

@@ -1,0 +1,186 @@
+"""The float64 ground truth of a check, for every op the model calls.
+
+    truth = float64_truth(model, inputs, loss_fn, target, n_microbatches, check_grads, seed)
+    truth.grads["fc.weight"]          # a StepResult, in float64
+    truth.error                       # None, or how far the ops run in float32 may move each value
+    truth.exact_ops, truth.float32_ops
+
+The truth is the model's own step on a float64 copy. An op with no float64 kernel on the device
+(``torch._grouped_mm`` on CPU, which transformers' mixture-of-experts layers call by default; a
+custom op with float32 kernels only) fails there while the model runs in its own dtype. The step
+is then run again under :class:`Float64Ops`: such an op runs as a float64 implementation of
+pipecheck's own where there is one (``FLOAT64_IMPLEMENTATIONS``: exact, nothing to account for),
+else in float32 on its inputs rounded to float32, its outputs back in float64. The truth is then
+only as exact as that op's float32 rounding: one more run, with every such op's outputs moved by
+``PERTURBATION`` float32 epsilons of their largest value (seeded random signs), measures how far
+that moves each value, and the auto tolerance adds it to eager's own error (``truth.error``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipecheck._eager import eager_step, float64_failure_explained, in_float64
+from pipecheck._errors import InputError
+from pipecheck._inputs import Inputs, cast_inputs
+from pipecheck._model_factory import buffers_kept, seeded
+from pipecheck._result import StepResult
+from pipecheck.losses import LossFn
+
+PERTURBATION = 8.0  # float32 epsilons of an output's largest value: a K-term sum's rounding, generously
+
+
+def _grouped_mm64(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch._grouped_mm`` group by group with ``torch.mm`` (float64 kernels everywhere). ``offs``
+    ends each group along the jagged dimension of a 2D operand; what lies past its last entry is 0."""
+    if bias is not None or (out_dtype is not None and out_dtype != mat_a.dtype):
+        raise NotImplementedError("pipecheck's float64 torch._grouped_mm takes no bias or out_dtype")
+    if mat_a.dim() == 3 and mat_b.dim() == 3:
+        return torch.bmm(mat_a, mat_b)
+    assert offs is not None, "torch._grouped_mm of a 2D operand needs offs"
+    ends = [int(e) for e in offs.tolist()]
+    starts = [0] + ends[:-1]
+    if mat_a.dim() == 2 and mat_b.dim() == 3:  # rows of mat_a by group, times that group's matrix
+        out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[-1])
+        for group, (start, end) in enumerate(zip(starts, ends)):
+            out[start:end] = mat_a[start:end] @ mat_b[group]
+        return out
+    if mat_a.dim() == 3:  # mat_b 2D: its columns by group
+        out = mat_a.new_zeros(mat_a.shape[1], mat_b.shape[1])
+        for group, (start, end) in enumerate(zip(starts, ends)):
+            out[:, start:end] = mat_a[group] @ mat_b[:, start:end]
+        return out
+    out = mat_a.new_zeros(len(ends), mat_a.shape[0], mat_b.shape[1])  # both 2D: the contraction by group
+    for group, (start, end) in enumerate(zip(starts, ends)):
+        out[group] = mat_a[:, start:end] @ mat_b[start:end]
+    return out
+
+
+# Ops with no float64 kernel on some device, computed exactly in float64 from float64 ops.
+FLOAT64_IMPLEMENTATIONS: dict[Any, Callable[..., Any]] = {torch.ops.aten._grouped_mm.default: _grouped_mm64}
+
+
+def _op_name(func: Any) -> str:
+    return f"torch.ops.{func.namespace}.{func._opname}"
+
+
+def _is64(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.float64
+
+
+def _to32(value: Any) -> Any:
+    return value.float() if _is64(value) else value
+
+
+class Float64Ops(TorchDispatchMode):
+    """Every op of the block as it is, except one that fails on float64 tensors: pipecheck's float64
+    implementation of it, or the op in float32 (its float64 inputs rounded, its floating outputs
+    back in float64). An op that writes into its inputs is never substituted. ``perturb``: a
+    generator whose random signs move each float32 op's outputs by PERTURBATION epsilons."""
+
+    def __init__(self, perturb: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.exact: set[str] = set()
+        self.in_float32: set[str] = set()
+        self._failing: set[Any] = set()
+        self._perturb = perturb
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func._schema.is_mutable or not any(_is64(leaf) for leaf in pytree.tree_leaves((args, kwargs))):
+            return func(*args, **kwargs)
+        if func in self._failing:
+            return self._substitute(func, args, kwargs, None)
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as err:
+            self._failing.add(func)
+            return self._substitute(func, args, kwargs, err)
+
+    def _substitute(self, func: Any, args: Any, kwargs: Any, failure: Exception | None) -> Any:
+        exact = FLOAT64_IMPLEMENTATIONS.get(func)
+        if exact is not None:
+            self.exact.add(_op_name(func))
+            return exact(*args, **kwargs)
+        try:
+            out = func(*pytree.tree_map(_to32, args), **pytree.tree_map(_to32, kwargs))
+        except Exception:
+            if failure is not None:
+                raise failure from None  # not a float64 kernel's absence: the op's own error stands
+            raise
+        self.in_float32.add(_op_name(func))
+        return pytree.tree_map(self._back, out)
+
+    def _back(self, value: Any) -> Any:
+        if not (isinstance(value, torch.Tensor) and value.dtype == torch.float32):
+            return value
+        value = value.double()
+        if self._perturb is not None and value.numel():
+            signs = torch.rand(value.shape, generator=self._perturb, dtype=torch.float64,
+                               device="cpu").to(value.device) * 2 - 1
+            largest = value.abs().nan_to_num(posinf=0.0, neginf=0.0).max()
+            value = value + signs * (PERTURBATION * torch.finfo(torch.float32).eps) * largest
+        return value
+
+
+@dataclass
+class Truth(StepResult):
+    """The float64 step, and how it was computed: ``exact_ops`` ran as pipecheck's float64
+    implementations, ``float32_ops`` in float32; ``error`` (when some did) holds, value by value,
+    how far their float32 rounding may move the truth (each an elementwise absolute difference)."""
+
+    error: StepResult | None = None
+    exact_ops: tuple[str, ...] = ()
+    float32_ops: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+
+def float64_truth(model: nn.Module, inputs: Inputs, loss_fn: LossFn, target: Any, n_microbatches: int,
+                  check_grads: bool, seed: int) -> Truth:
+    """The model's step in float64, seeded with ``seed``, its buffers and dtypes left as found."""
+
+    def step(mode: Float64Ops | None = None) -> StepResult:
+        with seeded(seed), buffers_kept(model), in_float64(model) as model64, mode or nullcontext():
+            args64, kwargs64, _ = inputs.unspoiled().to64()
+            return eager_step(model64, inputs, loss_fn, n_microbatches, check_grads, args=args64,
+                              kwargs=kwargs64, target=cast_inputs(target, torch.float64, None, copy=True))[0]
+
+    try:
+        with float64_failure_explained(model):
+            return Truth(**vars(step()))
+    except InputError as failed:
+        mode = Float64Ops()
+        try:
+            result = step(mode)
+        except Exception:
+            raise failed from None
+        if not (mode.exact or mode.in_float32):
+            raise
+    truth = Truth(**vars(result), exact_ops=tuple(sorted(mode.exact)), float32_ops=tuple(sorted(mode.in_float32)))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if truth.exact_ops:
+        truth.notes.append(f"the float64 truth computes {', '.join(truth.exact_ops)} with pipecheck's float64 "
+                           f"implementation (no float64 kernel on {device.type})")
+    if truth.float32_ops:
+        moved = step(Float64Ops(perturb=torch.Generator().manual_seed(seed)))
+        truth.error = pytree.tree_map(lambda a, b: (a - b).abs() if isinstance(a, torch.Tensor) else a,
+                                      _values(result), _values(moved))
+        truth.error = StepResult(**truth.error)
+        truth.notes.append(
+            f"the float64 truth runs {', '.join(truth.float32_ops)} in float32 (it failed in float64 on "
+            f"{device.type}): the tolerance adds how far {PERTURBATION:g} float32 epsilons there move each value")
+    return truth
+
+
+def _values(result: StepResult) -> dict[str, Any]:
+    return {"outputs": result.outputs, "loss": result.loss, "grads": result.grads,
+            "input_grads": result.input_grads, "buffers": result.buffers}

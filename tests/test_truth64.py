@@ -1,0 +1,159 @@
+"""The float64 truth for every op: an op with no float64 kernel is computed by pipecheck's own float64
+implementation (torch._grouped_mm) or in float32 inside the truth, its rounding added to the tolerance;
+a check through such an op passes a correct runner and still catches a wrong one."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pipecheck as pc
+from pipecheck._inputs import prepare_inputs
+from pipecheck._job import Job
+from pipecheck._runners import run_reference
+from pipecheck._truth64 import PERTURBATION, _grouped_mm64, float64_truth
+from pipecheck.losses import projection_loss
+
+
+def _cpu_grouped_mm() -> bool:
+    try:
+        torch._grouped_mm(torch.ones(4, 4), torch.ones(1, 4, 4).transpose(-2, -1),
+                          offs=torch.tensor([4], dtype=torch.int32))
+    except Exception:
+        return False
+    return True
+
+
+GROUPED_MM = pytest.mark.skipif(not hasattr(torch, "_grouped_mm") or not _cpu_grouped_mm(),
+                                reason="this torch has no torch._grouped_mm on CPU")
+
+
+@torch.library.custom_op("pipecheck_test::cube32", mutates_args=())
+def cube32(x: torch.Tensor) -> torch.Tensor:
+    """x**3 with a float32 kernel only, as a custom op or a fused kernel can be."""
+    if x.dtype == torch.float64:
+        raise RuntimeError("cube32 is not implemented for 'Double'")
+    return x * x * x
+
+
+@cube32.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _cube_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    return grad * 3 * x * x
+
+
+cube32.register_autograd(_cube_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+class Float32Op(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = cube32(self.a(x))
+        pc.pipe_split()
+        return self.b(h)
+
+
+class Experts(nn.Module):
+    """Two experts over the halves of each micro-batch, through torch._grouped_mm (no float64 kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.experts = nn.Parameter(torch.randn(2, 16, 8) / 4)  # (group, out, in), applied transposed
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        offs = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32)
+        h = torch._grouped_mm(h, self.experts.transpose(-2, -1), offs=offs)
+        pc.pipe_split()
+        return self.out(torch.tanh(h))
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "3d3d", "3d2d", "2d2d"])
+@GROUPED_MM
+def test_the_float64_grouped_mm_is_torch_s_on_every_layout(layout: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([3, 3, 8, 12], dtype=torch.int32)  # an empty group too
+    a, b = {"2d3d": (torch.randn(12, 8, generator=g), torch.randn(4, 16, 8, generator=g).transpose(-2, -1)),
+            "3d3d": (torch.randn(4, 5, 8, generator=g), torch.randn(4, 16, 8, generator=g).transpose(-2, -1)),
+            "3d2d": (torch.randn(4, 5, 8, generator=g), torch.randn(12, 8, generator=g).t()),
+            "2d2d": (torch.randn(16, 12, generator=g), torch.randn(8, 12, generator=g).t())}[layout]
+    offs_or_none = None if layout == "3d3d" else offs
+    expected = torch._grouped_mm(a, b, offs=offs_or_none).double()
+    got = _grouped_mm64(a.double(), b.double(), offs=offs_or_none)
+    assert got.dtype == torch.float64 and got.shape == expected.shape
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@GROUPED_MM
+def test_a_grouped_mm_model_is_checked_against_an_exact_float64_truth() -> None:
+    report = pc.assert_equivalent(Experts, (torch.randn(8, 8),), runner="reference", n_microbatches=2)
+    assert report.ok and report.num_stages == 2
+    assert report.power < 1e-4, report.power_text()
+    assert any("computes torch.ops.aten._grouped_mm with pipecheck's float64 implementation" in note
+               for note in report.notes), report.notes
+
+
+def _truth(model: nn.Module, x: torch.Tensor) -> Any:
+    inputs = prepare_inputs(model, (x,), None, None)
+    return float64_truth(model, inputs, projection_loss, torch.randn(8, 4, dtype=torch.float64), 2, True, 0)
+
+
+def test_an_op_with_float32_kernels_only_runs_in_float32_inside_the_truth_with_its_rounding_measured() -> None:
+    torch.manual_seed(0)
+    model, x = Float32Op(), torch.randn(8, 8)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    truth = _truth(model, x)
+    assert truth.float32_ops == ("torch.ops.pipecheck_test.cube32",) and truth.exact_ops == ()
+    assert truth.outputs.dtype == torch.float64 and truth.grads["a.weight"].dtype == torch.float64
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[name]) for name, p in model.named_parameters())
+    # the truth is off by the op's float32 rounding: the measured error is of that size, not zero, not gross
+    moved = truth.error.outputs.max() / truth.outputs.abs().max()
+    eps = torch.finfo(torch.float32).eps
+    assert 0.1 * eps < moved < 10 * PERTURBATION * eps, moved
+    assert truth.error.grads["b.weight"].max() > 0  # b's gradient reads the op's output
+    assert truth.error.grads["a.weight"].max() == 0  # a's reads its float64 backward alone: exact
+    with torch.no_grad():  # the truth is within float32 rounding of the float64 computation
+        expected = model.b.double()(model.a.double()(x.double()) ** 3)
+        model.float()
+    assert torch.allclose(truth.outputs, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_check_through_a_float32_op_passes_a_correct_runner_and_says_how_the_truth_was_made() -> None:
+    report = pc.assert_equivalent(Float32Op, (torch.randn(8, 8),), runner="reference", n_microbatches=2)
+    assert report.ok and report.power < 1e-4, report.power_text()
+    assert any("runs torch.ops.pipecheck_test.cube32 in float32" in note for note in report.notes), report.notes
+
+
+def _scaled(factor: float, job: Job) -> pc.StepResult:
+    """The reference, with one gradient off by ``factor``: a bug an engine could have."""
+    result = run_reference(job)
+    result.grads["a.weight"] = result.grads["a.weight"] * factor
+    return result
+
+
+@pytest.mark.parametrize("model", [Float32Op, pytest.param(Experts, marks=GROUPED_MM)])
+def test_a_gradient_off_by_a_tenth_of_a_percent_is_caught_through_an_op_without_a_float64_kernel(model: Any) -> None:
+    name = "grad a.weight" if model is Float32Op else "grad inp.weight"
+    if model is Experts:
+        def runner(job: Job) -> pc.StepResult:
+            result = run_reference(job)
+            result.grads["inp.weight"] = result.grads["inp.weight"] * 1.001
+            return result
+    else:
+        runner = functools.partial(_scaled, 1.001)
+    with pytest.raises(pc.EquivalenceError) as caught:
+        pc.assert_equivalent(model, (torch.randn(8, 8),), runner=runner, n_microbatches=2)
+    assert [row.name for row in caught.value.report.failures] == [name]
