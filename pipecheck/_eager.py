@@ -12,13 +12,14 @@ element, and the projection weights become the target every runner gets.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipecheck._errors import InputError, NonFiniteError, PipecheckError, first_line
 from pipecheck._inputs import Inputs, cast_module
@@ -213,19 +214,56 @@ def refuse_random(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: i
         raise _random_model_error(model, found)
 
 
+class _Draws(TorchDispatchMode):
+    """The random ops a block calls (torch's ``nondeterministic_seeded`` ops, whatever generator they
+    draw from) and the generators of the model's own they draw from, each with its state at first
+    use: seen by what the forward does, not by whether torch's global RNG moved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.ops.add(f"{func.namespace}.{func._opname}")
+            for leaf in pytree.tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Generator) and all(leaf is not g for g, _ in self.generators):
+                    self.generators.append((leaf, leaf.get_state()))
+        return func(*args, **kwargs)
+
+
 def _random_outputs(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> str:
-    """Why the model's outputs are random ("" if they are not)."""
+    """Why the model's outputs are random ("" if they are not). Generators of the model's own are
+    reseeded like torch's (their states as the probe found them for the first and third forwards,
+    another seed for the second) and left as found."""
+    draws = _Draws()
 
     def forward(offset: int) -> tuple[list[Any], bool]:
         nonlocal inputs
         inputs = inputs.unspoiled()  # a forward that wrote into its inputs: the next run gets a copy
         call = inspect.BoundArguments(inputs.signature, split_microbatches(inputs.arguments, n_microbatches)[0])
+        for generator, state in draws.generators:
+            if offset == 1:
+                generator.set_state(state)
+            else:
+                generator.manual_seed(seed + offset)
         with seeded(seed + offset), torch.no_grad(), buffers_kept(model):
             before = rng_fingerprint()
-            leaves = pytree.tree_leaves(_call(model, call, n_microbatches))
-            drew = rng_fingerprint() != before
+            with draws:
+                leaves = pytree.tree_leaves(_call(model, call, n_microbatches))
+            drew = rng_fingerprint() != before or bool(draws.ops)
         return leaves, drew
 
+    try:
+        return _judge_draws(forward, draws)
+    finally:
+        for generator, state in draws.generators:
+            generator.set_state(state)
+
+
+def _judge_draws(forward: Callable[[int], tuple[list[Any], bool]], draws: _Draws) -> str:
     (first, drew_first), (second, drew_second) = forward(1), forward(2)
     pairs = [(a, b) for a, b in zip(first, second) if isinstance(a, torch.Tensor)]
     if any(_differ(a, b) for a, b in pairs):
@@ -238,8 +276,10 @@ def _random_outputs(model: nn.Module, inputs: Inputs, n_microbatches: int, seed:
         return ""  # within the rounding of a reordered sum (a random permutation undone): no draw decides a value
     again, _ = forward(1)
     if all(_same_bits(a, b) for a, b in zip(first, again) if isinstance(a, torch.Tensor)):
-        return (f"its forward draws random numbers, and its outputs follow the seed: they change by up to "
-                f"{worst:.1e} relative under another seed and come back bit for bit under the same one")
+        what = ", ".join(sorted(draws.ops)) if draws.ops else "Python's or numpy's RNG"
+        own = ", from a torch.Generator of its own" if draws.generators else ""
+        return (f"its forward draws random numbers ({what}{own}), and its outputs follow the seed: they change "
+                f"by up to {worst:.1e} relative under another seed and come back bit for bit under the same one")
     return ""
 
 

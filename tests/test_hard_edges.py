@@ -129,6 +129,19 @@ class StochasticDepth(nn.Module):
         return self.b(h + self.scale * self.branch(h) * keep)
 
 
+class OwnGeneratorStochasticDepth(StochasticDepth):
+    """The same, drawing from a generator of its own: torch's global RNG never moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        keep = torch.empty(h.shape[0], 1).bernoulli_(0.5, generator=self.generator) / 0.5
+        return self.b(h + self.scale * self.branch(h) * keep)
+
+
 class PythonRandomScale(TwoLayers):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * (1 + 1e-6 * random.random())
@@ -145,13 +158,16 @@ class DropoutOfZero(TwoLayers):
         return self.b(self.drop(torch.relu(self.a(x))))
 
 
-@pytest.mark.parametrize("model", [StochasticDepth, PythonRandomScale], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("model", [StochasticDepth, OwnGeneratorStochasticDepth, PythonRandomScale],
+                         ids=lambda m: m.__name__)
 def test_randomness_a_few_ulps_deep_is_refused_as_randomness(model: type[nn.Module]) -> None:
     state = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
     with pytest.raises(pc.InputError) as info:
         _check(model)
-    assert f"{model.__name__} is not deterministic: its forward draws random numbers, and its outputs follow " \
-           "the seed" in str(info.value)
+    drew = {StochasticDepth: "aten.bernoulli_", OwnGeneratorStochasticDepth: "aten.bernoulli_, from a "
+            "torch.Generator of its own", PythonRandomScale: "Python's or numpy's RNG"}[model]
+    assert f"{model.__name__} is not deterministic: its forward draws random numbers ({drew}), and its outputs " \
+           "follow the seed" in str(info.value)
     assert "come back bit for bit under the same one" in str(info.value)
     # The probe seeds and draws from the caller's RNGs only inside fork_rng / saved states
     assert torch.equal(torch.get_rng_state(), state[0])
