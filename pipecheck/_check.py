@@ -160,7 +160,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         check_deterministic(built, inputs, n_microbatches, seed)
     with clock("fp64_s"):  # built as it was after
         ref64 = float64_truth(built, inputs, loss_fn or projection_loss, target_used, n_microbatches, check_grads,
-                              seed)
+                              seed, result_dtype(eager))
     del built
     check_finite(eager)
 

@@ -148,19 +148,18 @@ def _short(dtype: torch.dtype) -> str:
 
 
 @contextmanager
-def in_float64(model: nn.Module) -> Iterator[nn.Module]:
-    """The model itself in float64 for the block, then exactly as it was: every parameter back to its
-    own dtype (float64 holds every float32/bfloat16/float16 value exactly), every buffer the very
-    object it was. Stages that share the model's parameters see the same; no second copy is made."""
-    dtypes = [(p, p.dtype) for p in model.parameters()]
+def in_dtype(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
+    """The model itself with its floating parameters and buffers in ``dtype`` for the block, then
+    exactly as it was: every parameter's own data back (bit for bit, whatever the cast lost), every
+    buffer the very object it was. Stages that share the model's parameters see the same; no second
+    copy of the model is made."""
+    data = [(p, p.data) for p in model.parameters()]
     buffers = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()]
     try:
-        yield cast_module(model, torch.float64)  # complex parameters to complex128, never to real
+        yield cast_module(model, dtype)  # complex parameters to the complex counterpart, never to real
     finally:
-        with torch.no_grad():
-            for param, dtype in dtypes:
-                if param.dtype != dtype:
-                    param.data = param.data.to(dtype)
+        for param, own in data:
+            param.data = own
         for module, name, buffer in buffers:
             module._buffers[name] = buffer
 

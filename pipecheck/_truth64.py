@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipecheck._eager import eager_step, float64_failure_explained, in_float64
+from pipecheck._eager import eager_step, float64_failure_explained, in_dtype
 from pipecheck._errors import InputError
 from pipecheck._inputs import Inputs, cast_inputs
 from pipecheck._model_factory import buffers_kept, seeded
@@ -145,18 +145,21 @@ class Truth(StepResult):
 
 
 def float64_truth(model: nn.Module, inputs: Inputs, loss_fn: LossFn, target: Any, n_microbatches: int,
-                  check_grads: bool, seed: int) -> Truth:
-    """The model's step in float64, seeded with ``seed``, its buffers and dtypes left as found."""
+                  check_grads: bool, seed: int, eager_dtype: torch.dtype = torch.float32) -> Truth:
+    """The model's step in float64, seeded with ``seed``, its buffers and dtypes left as found.
+    ``eager_dtype``: the dtype the check runs in; in float64 the truth is eager's own computation,
+    and its rounding is estimated (see :func:`_float64_rounding`)."""
 
-    def step(mode: Float64Ops | None = None) -> StepResult:
-        with seeded(seed), buffers_kept(model), in_float64(model) as model64, mode or nullcontext():
-            args64, kwargs64, _ = inputs.unspoiled().to64()
-            return eager_step(model64, inputs, loss_fn, n_microbatches, check_grads, args=args64,
-                              kwargs=kwargs64, target=cast_inputs(target, torch.float64, None, copy=True))[0]
+    def step(mode: Float64Ops | None = None, dtype: torch.dtype = torch.float64) -> StepResult:
+        with seeded(seed), buffers_kept(model), in_dtype(model, dtype) as cast, mode or nullcontext():
+            fresh = inputs.unspoiled()
+            args, kwargs, cast_target = cast_inputs((fresh.args, fresh.kwargs, target), dtype, None, copy=True)
+            return eager_step(cast, inputs, loss_fn, n_microbatches, check_grads, args=args, kwargs=kwargs,
+                              target=cast_target)[0]
 
     try:
         with float64_failure_explained(model):
-            return Truth(**vars(step()))
+            result = step()
     except InputError as failed:
         mode = Float64Ops()
         try:
@@ -165,20 +168,51 @@ def float64_truth(model: nn.Module, inputs: Inputs, loss_fn: LossFn, target: Any
             raise failed from None
         if not (mode.exact or mode.in_float32):
             raise
+    else:
+        truth = Truth(**vars(result))
+        if eager_dtype == torch.float64:
+            _float64_rounding(truth, step)
+        return truth
     truth = Truth(**vars(result), exact_ops=tuple(sorted(mode.exact)), float32_ops=tuple(sorted(mode.in_float32)))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if truth.exact_ops:
         truth.notes.append(f"the float64 truth computes {', '.join(truth.exact_ops)} with pipecheck's float64 "
                            f"implementation (no float64 kernel on {device.type})")
     if truth.float32_ops:
-        moved = step(Float64Ops(perturb=torch.Generator().manual_seed(seed)))
-        truth.error = pytree.tree_map(lambda a, b: (a - b).abs() if isinstance(a, torch.Tensor) else a,
-                                      _values(result), _values(moved))
-        truth.error = StepResult(**truth.error)
+        truth.error = _difference(result, step(Float64Ops(perturb=torch.Generator().manual_seed(seed))))
         truth.notes.append(
             f"the float64 truth runs {', '.join(truth.float32_ops)} in float32 (it failed in float64 on "
             f"{device.type}): the tolerance adds how far {PERTURBATION:g} float32 epsilons there move each value")
     return truth
+
+
+def _float64_rounding(truth: Truth, step: Callable[..., StepResult]) -> None:
+    """A check in float64 has no more precise truth than its own float64 step, which would leave
+    the auto tolerance at its floor of 2 epsilons: a correct runner that sums micro-batches in
+    another order is off by more where a sum cancels. Its rounding is estimated one rung down the
+    precision ladder: the same step in float32 is off the float64 one by float32's error, and
+    float64's is that times eps(float64) / eps(float32) (2**-29); ``truth.error`` holds it."""
+    try:
+        low = step(dtype=torch.float32)
+    except Exception as err:
+        truth.notes.append(f"float64's own rounding could not be estimated (the float32 run failed: "
+                           f"{type(err).__name__}); the tolerance is float64's floor of 2 epsilons alone")
+        return
+    ratio = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
+    truth.error = _difference(truth, low, ratio)
+
+
+def _difference(result: StepResult, other: StepResult, factor: float = 1.0) -> StepResult:
+    """``|result - other| * factor`` value by value, in float64 (0 where either is not finite)."""
+
+    def diff(a: Any, b: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        if not (isinstance(b, torch.Tensor) and a.is_floating_point() and a.shape == b.shape):
+            return torch.zeros(a.shape, dtype=torch.float64, device=a.device)
+        return ((a.double() - b.double()).abs() * factor).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+    return StepResult(**pytree.tree_map(diff, _values(result), _values(other)))
 
 
 def _values(result: StepResult) -> dict[str, Any]:

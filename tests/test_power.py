@@ -73,7 +73,9 @@ def test_a_bug_hidden_by_an_ill_conditioned_float32_run_never_passes(bug: Callab
 def test_float64_checks_an_ill_conditioned_model_that_float32_cannot(runner: str) -> None:
     report = _ill_conditioned(runner, dtype=torch.float64)
     assert report.dtype == "float64" and not report.blind
-    assert report.power is not None and report.power < 1e-12
+    # float64's rounding, estimated from float32's (2**-29 of it): a gradient that cancels (a bias before a
+    # BatchNorm, 1e-15 of the largest) is resolved to a few percent; every other row to 1e-8
+    assert max(row.power for row in report.rows if row.power is not None and row.scale > 1e-6) < 1e-7
 
 
 def test_an_explicit_tolerance_is_the_user_s_to_accept_and_still_reports_its_power() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from pipecheck.fixtures import get
 
 import pipecheck as pc
 from pipecheck._inputs import prepare_inputs
@@ -157,3 +158,50 @@ def test_a_gradient_off_by_a_tenth_of_a_percent_is_caught_through_an_op_without_
     with pytest.raises(pc.EquivalenceError) as caught:
         pc.assert_equivalent(model, (torch.randn(8, 8),), runner=runner, n_microbatches=2)
     assert [row.name for row in caught.value.report.failures] == [name]
+
+
+# --- a check in float64: the truth is eager's own float64 step, its rounding estimated from float32 -------------
+
+def _zoo_check(name: str, runner: Any, **settings: Any) -> pc.Report:
+    entry = get(name)
+    style = entry.cut_styles[0]
+    args, kwargs = entry.inputs()
+    return pc.assert_equivalent(entry.factory(style), args, kwargs, runner=runner, loss_fn=entry.loss_fn,
+                                target=entry.target(), n_microbatches=4, **entry.cut(style), **settings)
+
+
+def test_a_float64_check_passes_a_correct_runner_that_sums_micro_batches_in_another_order() -> None:
+    """Before, the tolerance was float64's floor of 2 epsilons: the reference runner's gradient of a bias
+    whose sum cancels was 1.7 epsilons of its scale off, and a correct runner failed."""
+    report = _zoo_check("encoder_decoder", "reference", dtype=torch.float64)
+    assert report.ok and report.dtype == "float64"
+    assert report.power < 1e-12, report.power_text()  # float64 still sees what float64 can
+
+
+def test_a_float64_truth_carries_its_own_rounding_one_rung_down_the_precision_ladder() -> None:
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).double(), torch.randn(8, 8).double()
+    inputs = prepare_inputs(model, (x,), None, None)
+    target = torch.randn(8, 4, dtype=torch.float64)
+    truth = float64_truth(model, inputs, projection_loss, target, 2, True, 0, torch.float64)
+    low = float64_truth(model.float(), prepare_inputs(model, (x.float(),), None, None), projection_loss, target, 2,
+                        True, 0, torch.float32)  # the float32 step's distance from float64, measured the same way
+    model.double()
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    for name in ("0.weight", "2.weight", "2.bias"):
+        error = truth.error.grads[name]
+        assert error.max() > 0
+        assert error.max() < 2 ** -29 * truth.grads[name].abs().max() * 64  # float32's own error, scaled
+    assert low.error is None  # a float32 check measures eager's error directly
+
+
+def test_a_float64_check_still_sees_a_gradient_off_by_one_part_in_a_million() -> None:
+    def off(job: Job) -> pc.StepResult:
+        result = run_reference(job)
+        name = sorted(result.grads)[0]
+        result.grads[name] = result.grads[name] * (1 + 1e-6)
+        return result
+
+    with pytest.raises(pc.EquivalenceError) as caught:
+        _zoo_check("mlp", off, dtype=torch.float64)
+    assert len(caught.value.report.failures) == 1
