@@ -25,7 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "schedules", "_timeline", "_comm", "_runtime", "_torch_schedules", "_torch_rank",
                 "_deepspeed_layers", "_deepspeed_rank", "_titan_rank"),
     "runners": ("_job", "_arguments", "_runners", "_distributed_runner", "_torch_runner", "_deepspeed_runner", "_titan_runner"),
-    "check": ("_numerics", "_diagnose", "_eager", "_compare", "_localise", "_report", "_check", "strategies", "engines"),
+    "check": ("_numerics", "_diagnose", "_eager", "_truth64", "_compare", "_localise", "_report", "_check", "strategies", "engines"),
     "faces": ("__init__", "__main__", "_cli", "_cli_options", "_cli_zoo", "plugin"),
 }
 RANK = {"base": 0, "split": 1, "world": 1, "runtime": 2, "runners": 3, "check": 4, "faces": 5}
