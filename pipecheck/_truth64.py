@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipecheck._eager import eager_step, float64_failure_explained, in_dtype
-from pipecheck._errors import InputError
+from pipecheck._errors import InputError, first_line
 from pipecheck._inputs import Inputs, cast_inputs
 from pipecheck._model_factory import buffers_kept, seeded
 from pipecheck._result import StepResult
@@ -192,14 +192,14 @@ def _float64_rounding(truth: Truth, step: Callable[..., StepResult]) -> None:
     another order is off by more where a sum cancels. Its rounding is estimated one rung down the
     precision ladder: the same step in float32 is off the float64 one by float32's error, and
     float64's is that times eps(float64) / eps(float32) (2**-29); ``truth.error`` holds it."""
-    try:
-        low = step(dtype=torch.float32)
-    except Exception as err:
-        truth.notes.append(f"float64's own rounding could not be estimated (the float32 run failed: "
-                           f"{type(err).__name__}); the tolerance is float64's floor of 2 epsilons alone")
-        return
     ratio = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
-    truth.error = _difference(truth, low, ratio)
+    try:
+        truth.error = _difference(truth, step(dtype=torch.float32), ratio)
+    except Exception as err:  # a model that runs only in float64, or whose outputs change with the dtype
+        why = first_line(err).split(" Fix: ")[0].rstrip(".") if isinstance(err, InputError) else (
+            f"{type(err).__name__}: {first_line(err)}")
+        truth.notes.append(f"float64's own rounding could not be estimated, the same step in float32 failed ({why}): "
+                           "the tolerance is float64's floor of 2 epsilons alone")
 
 
 def _difference(result: StepResult, other: StepResult, factor: float = 1.0) -> StepResult:

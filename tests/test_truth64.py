@@ -205,3 +205,26 @@ def test_a_float64_check_still_sees_a_gradient_off_by_one_part_in_a_million() ->
     with pytest.raises(pc.EquivalenceError) as caught:
         _zoo_check("mlp", off, dtype=torch.float64)
     assert len(caught.value.report.failures) == 1
+
+
+class Float64Only(nn.Module):
+    """Refuses any dtype but float64: float64's rounding cannot be estimated from a float32 run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float64:
+            raise TypeError("float64 inputs only")
+        h = self.a(x)
+        pc.pipe_split()
+        return self.b(h)
+
+
+def test_a_float64_only_model_is_checked_at_float64_s_floor_and_says_so() -> None:
+    report = pc.assert_equivalent(Float64Only().double(), (torch.randn(8, 8, dtype=torch.float64),),
+                                  runner="reference", n_microbatches=2)
+    assert report.ok and report.dtype == "float64"
+    assert any(note.startswith("float64's own rounding could not be estimated, the same step in float32 failed")
+               and "TypeError: float64 inputs only" in note for note in report.notes), report.notes
