@@ -73,3 +73,37 @@ def test_a_cell_that_raises_what_pipecheck_never_raises_is_an_internal_error_cou
     cell = zoo_cell(broken)
     assert (cell.outcome, cell.text, cell.message) == ("internal", "INTERNAL ERROR KeyError: 'a bug'",
                                                        "KeyError: 'a bug'")
+
+
+class Terminal:
+    """A stream that says it is a terminal, keeping what is written."""
+
+    def __init__(self, tty: bool) -> None:
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_the_zoo_shows_its_progress_on_a_terminal_and_nothing_in_a_pipe(monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    for tty in (True, False):
+        terminal = Terminal(tty)
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert main(["zoo", "--models", "mlp,skip_one", "--runners", "reference"]) == 0
+        out = capsys.readouterr().out
+        if tty:  # one line rewritten per cell, cleared before the table
+            assert "zoo: 0/2 cells, mlp x reference, " in terminal.text
+            assert "zoo: 1/2 cells, skip_one x reference, " in terminal.text
+            assert terminal.text.endswith("\r\033[K") and "\n" not in terminal.text
+        else:
+            assert terminal.text == ""
+        assert "zoo:" not in out and "| mlp" not in out and "mlp " in out
