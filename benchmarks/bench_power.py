@@ -87,7 +87,8 @@ def reordered(job: pc.Job) -> pc.StepResult:
     n = job.n_microbatches
     inputs = split_microbatches((job.args, job.kwargs), n)
     targets = split_microbatches(job.target, n, "target") if job.target is not None else [None] * n
-    steps = [DetachExecutor(job.split()).step(args, kwargs, loss_fn=job.loss_fn, target=target)
+    executor = DetachExecutor(job.split())  # one split: each micro-batch sees the buffers the last one left
+    steps = [executor.step(args, kwargs, loss_fn=job.loss_fn, target=target)
              for (args, kwargs), target in zip(inputs, targets)]
     grads = {fqn: sum((step.grads[fqn] / n for step in reversed(steps)), torch.zeros_like(grad))
              for fqn, grad in whole.grads.items()}

@@ -11,6 +11,7 @@ element, and the projection weights become the target every runner gets.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,18 +39,22 @@ def output_name(path: tuple[Any, ...]) -> str:
 
 def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_microbatches: int,
                check_grads: bool, *, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,
-               target: Any = None) -> tuple[StepResult, Any]:
+               target: Any = None, backward_each: bool = False) -> tuple[StepResult, Any]:
     """The model run eagerly on each micro-batch; loss = mean of per-micro-batch losses.
 
     Runs on ``inputs`` (or on ``args``/``kwargs``/``target`` bound the same way, e.g. their
     float64 copies). Returns the result and the target used (the projection weights when
-    ``loss_fn`` is None).
+    ``loss_fn`` is None). ``backward_each`` (with a ``loss_fn``): each micro-batch's backward
+    right after its forward, gradients summed, so that one micro-batch's activations are alive at
+    a time (the float64 truth's memory), not all of them.
     """
     if args is None:
         args, kwargs, target = inputs.args, inputs.kwargs, inputs.target
     bound = inputs.signature.bind(*args, **(kwargs or {}))
     calls = [inspect.BoundArguments(bound.signature, chunk)
              for chunk in split_microbatches(dict(bound.arguments), n_microbatches)]  # errors name the input
+    if backward_each and loss_fn is not None and check_grads:
+        return _step_each(model, bound, calls, MicrobatchLoss(loss_fn, target, n_microbatches)), target
     outputs = [_call(model, call, n_microbatches, whole=bound) for call in calls]
     merged = merge_microbatches(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, outputs))
     if loss_fn is None:
@@ -69,6 +74,32 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
             input_grads = {n: g for (n, _), g in zip(named_inputs, got[len(params):]) if g is not None}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     return StepResult(merged, loss.detach(), grads, input_grads, buffers), target
+
+
+def _step_each(model: nn.Module, bound: inspect.BoundArguments, calls: list[inspect.BoundArguments],
+               loss_of: MicrobatchLoss) -> StepResult:
+    """:func:`eager_step` with each micro-batch's backward (of its loss / n) before the next forward."""
+    n = len(calls)
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    named_inputs = [(name, value) for name, value in unwrap_replicated(dict(bound.arguments)).items()
+                    if isinstance(value, torch.Tensor) and value.requires_grad]
+    wrt = [p for _, p in params] + [t for _, t in named_inputs]
+    sums: list[torch.Tensor | None] = [None] * len(wrt)
+    outputs, losses = [], []
+    for mb, call in enumerate(calls):
+        out = _call(model, call, n, whole=bound)
+        loss = loss_of(mb, out)
+        if wrt and loss.requires_grad:
+            for i, grad in enumerate(_gradients(model, loss / n, wrt)):
+                if grad is not None:
+                    sums[i] = grad if sums[i] is None else sums[i] + grad
+        outputs.append(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out))
+        losses.append(loss.detach())
+        del out, loss
+    grads = {name: g for (name, _), g in zip(params, sums) if g is not None}
+    input_grads = {name: g for (name, _), g in zip(named_inputs, sums[len(params):]) if g is not None}
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    return StepResult(merge_microbatches(outputs), torch.stack(losses).mean(), grads, input_grads, buffers)
 
 
 def _gradients(model: nn.Module, loss: torch.Tensor, wrt: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
@@ -234,10 +265,15 @@ class _Draws(TorchDispatchMode):
 
 
 def _random_outputs(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> str:
-    """Why the model's outputs are random ("" if they are not). Generators of the model's own are
-    reseeded like torch's (their states as the probe found them for the first and third forwards,
-    another seed for the second) and left as found."""
-    draws = _Draws()
+    """Why the model's outputs are random ("" if they are not).
+
+    Forwards run plainly first: torch's, Python's and numpy's RNGs show a draw by moving. Where the
+    outputs' bits move and none of them did, the forwards run again watched by :class:`_Draws`
+    (a dispatch mode costs time and, on CPU, memory: only then): a random op on a generator of the
+    model's own, which is then reseeded like torch's (its state as found for the first and third
+    forwards, another seed for the second) and left as found; or no random op at all (kernels that
+    add in another order, as GPU atomics do)."""
+    draws, watching = _Draws(), False
 
     def forward(offset: int) -> tuple[list[Any], bool]:
         nonlocal inputs
@@ -250,34 +286,54 @@ def _random_outputs(model: nn.Module, inputs: Inputs, n_microbatches: int, seed:
                 generator.manual_seed(seed + offset)
         with seeded(seed + offset), torch.no_grad(), buffers_kept(model):
             before = rng_fingerprint()
-            with draws:
+            with draws if watching else contextlib.nullcontext():
                 leaves = pytree.tree_leaves(_call(model, call, n_microbatches))
             drew = rng_fingerprint() != before or bool(draws.ops)
         return leaves, drew
 
     try:
-        return _judge_draws(forward, draws)
+        (first, drew_first), (second, drew_second) = forward(1), forward(2)
+        if not (drew_first or drew_second) and not _all_same_bits(first, second) and not _differs(first, second):
+            watching = True  # the bits moved with no RNG of torch's, Python's or numpy's moving: watch the ops
+            forward(1)  # which random ops, on which generators (their states as found)
+            if not draws.ops:
+                return ""  # no draw: kernels that add in another order
+            (first, drew_first), (second, drew_second) = forward(1), forward(2)
+        why = _judge_draws(forward, first, second, drew_first or drew_second)
+        if why.startswith("its forward draws") and not watching:
+            watching = True
+            forward(1)  # only to name the ops it draws with
+        what = ", ".join(sorted(draws.ops)) if draws.ops else "Python's or numpy's RNG"  # watched: no torch op
+        own = ", from a torch.Generator of its own" if draws.generators else ""
+        return why.replace("{what}", what + own)
     finally:
         for generator, state in draws.generators:
             generator.set_state(state)
 
 
-def _judge_draws(forward: Callable[[int], tuple[list[Any], bool]], draws: _Draws) -> str:
-    (first, drew_first), (second, drew_second) = forward(1), forward(2)
+def _all_same_bits(first: list[Any], second: list[Any]) -> bool:
+    return all(_same_bits(a, b) for a, b in zip(first, second) if isinstance(a, torch.Tensor))
+
+
+def _differs(first: list[Any], second: list[Any]) -> bool:
+    return any(_differ(a, b) for a, b in zip(first, second) if isinstance(a, torch.Tensor))
+
+
+def _judge_draws(forward: Callable[[int], tuple[list[Any], bool]], first: list[Any], second: list[Any],
+                 drew: bool) -> str:
+    """The verdict on two forwards under different seeds; ``{what}`` stands for the draws."""
     pairs = [(a, b) for a, b in zip(first, second) if isinstance(a, torch.Tensor)]
-    if any(_differ(a, b) for a, b in pairs):
+    if _differs(first, second):
         return "two eager forwards of the same micro-batch under different seeds give different outputs"
-    if not (drew_first or drew_second) or all(_same_bits(a, b) for a, b in pairs):
+    if not drew or _all_same_bits(first, second):
         return ""
     worst = max(_relative_change(a, b) for a, b in pairs)
     if not any(_relative_change(a, b) > AUTO_FLOOR_EPS * torch.finfo(a.dtype).eps
                for a, b in pairs if a.is_floating_point()):
         return ""  # within the rounding of a reordered sum (a random permutation undone): no draw decides a value
     again, _ = forward(1)
-    if all(_same_bits(a, b) for a, b in zip(first, again) if isinstance(a, torch.Tensor)):
-        what = ", ".join(sorted(draws.ops)) if draws.ops else "Python's or numpy's RNG"
-        own = ", from a torch.Generator of its own" if draws.generators else ""
-        return (f"its forward draws random numbers ({what}{own}), and its outputs follow the seed: they change "
+    if _all_same_bits(first, again):
+        return (f"its forward draws random numbers ({{what}}), and its outputs follow the seed: they change "
                 f"by up to {worst:.1e} relative under another seed and come back bit for bit under the same one")
     return ""
 

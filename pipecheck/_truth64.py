@@ -155,7 +155,7 @@ def float64_truth(model: nn.Module, inputs: Inputs, loss_fn: LossFn, target: Any
             fresh = inputs.unspoiled()
             args, kwargs, cast_target = cast_inputs((fresh.args, fresh.kwargs, target), dtype, None, copy=True)
             return eager_step(cast, inputs, loss_fn, n_microbatches, check_grads, args=args, kwargs=kwargs,
-                              target=cast_target)[0]
+                              target=cast_target, backward_each=True)[0]
 
     try:
         with float64_failure_explained(model):
