@@ -184,13 +184,19 @@ def in_dtype(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
     exactly as it was: every parameter's own data back (bit for bit, whatever the cast lost), every
     buffer the very object it was. Stages that share the model's parameters see the same; no second
     copy of the model is made."""
-    data = [(p, p.data) for p in model.parameters()]
+    params = [(module, name, param, param.data, param.grad, None if param.grad is None else param.grad.data)
+              for module in model.modules() for name, param in module._parameters.items() if param is not None]
     buffers = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()]
     try:
         yield cast_module(model, dtype)  # complex parameters to the complex counterpart, never to real
     finally:
-        for param, own in data:
-            param.data = own
+        for module, name, param, data, grad, grad_data in params:  # the very objects (a cast may replace them)
+            module._parameters[name] = param
+            param.grad = None  # the cast's gradient first: a float64 one refuses float32 data
+            param.data = data
+            if grad is not None:
+                grad.data = grad_data  # the cast wrote a float64 copy into the gradient object itself
+            param.grad = grad
         for module, name, buffer in buffers:
             module._buffers[name] = buffer
 
@@ -254,14 +260,31 @@ class _Draws(TorchDispatchMode):
         self.ops: set[str] = set()
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
+    supports_higher_order_operators = True  # torch.cond and the like pass through (their bodies unwatched)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if isinstance(func, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in func.tags:
             self.ops.add(f"{func.namespace}.{func._opname}")
             for leaf in pytree.tree_leaves((args, kwargs)):
-                if isinstance(leaf, torch.Generator) and all(leaf is not g for g, _ in self.generators):
+                if (isinstance(leaf, torch.Generator) and all(leaf is not g for g, _ in self.generators)
+                        and not _is_default(leaf)):
                     self.generators.append((leaf, leaf.get_state()))
         return func(*args, **kwargs)
+
+
+def _is_default(generator: torch.Generator) -> bool:
+    """Whether ``generator`` is its device's default one, passed explicitly (the dispatcher hands over
+    a new Python object for it: told apart by its state, which a generator of one's own matches only
+    if seeded and drawn alike)."""
+    if generator.device.type == "cpu":
+        default = torch.default_generator
+    elif generator.device.type == "cuda":
+        default = torch.cuda.default_generators[generator.device.index or 0]
+    else:
+        return False
+    return generator.initial_seed() == default.initial_seed() and torch.equal(generator.get_state(),
+                                                                              default.get_state())
 
 
 def _random_outputs(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> str:

@@ -36,6 +36,7 @@ from pipecheck._result import StepResult
 from pipecheck.losses import LossFn
 
 PERTURBATION = 8.0  # float32 epsilons of an output's largest value: a K-term sum's rounding, generously
+SENTINEL = 1e30  # a magnitude no float32 result reaches but a fill value (a mask's finfo(float32).min)
 
 
 def _grouped_mm64(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
@@ -84,40 +85,51 @@ def _to32(value: Any) -> Any:
 class Float64Ops(TorchDispatchMode):
     """Every op of the block as it is, except one that fails on float64 tensors: pipecheck's float64
     implementation of it, or the op in float32 (its float64 inputs rounded, its floating outputs
-    back in float64). An op that writes into its inputs is never substituted. ``perturb``: a
-    generator whose random signs move each float32 op's outputs by PERTURBATION epsilons."""
+    back in float64). An op that writes into its inputs, a higher-order op (``torch.cond``) and an
+    out-of-memory error are left alone. ``perturb``: a generator whose random signs move each
+    float32 op's outputs by PERTURBATION epsilons."""
+
+    supports_higher_order_operators = True
 
     def __init__(self, perturb: torch.Generator | None = None) -> None:
         super().__init__()
         self.exact: set[str] = set()
-        self.in_float32: set[str] = set()
-        self._failing: set[Any] = set()
+        self.in_float32: set[str] = set()  # no float64 kernel
+        self.mixed: set[str] = set()  # float64 mixed with a floating tensor of another dtype (one the model made)
+        self._substituted: set[tuple[Any, tuple[torch.dtype, ...]]] = set()
         self._perturb = perturb
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func._schema.is_mutable or not any(_is64(leaf) for leaf in pytree.tree_leaves((args, kwargs))):
+        if not isinstance(func, torch._ops.OpOverload) or func._schema.is_mutable:
             return func(*args, **kwargs)
-        if func in self._failing:
-            return self._substitute(func, args, kwargs, None)
+        leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        if not any(leaf.dtype == torch.float64 for leaf in leaves):
+            return func(*args, **kwargs)
+        key = (func, tuple(leaf.dtype for leaf in leaves))
+        if key in self._substituted:
+            return self._substitute(func, args, kwargs, leaves)
         try:
             return func(*args, **kwargs)
-        except (RuntimeError, NotImplementedError) as err:
-            self._failing.add(func)
-            return self._substitute(func, args, kwargs, err)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError) as failure:
+            try:
+                out = self._substitute(func, args, kwargs, leaves)
+            except Exception:
+                raise failure from None  # not a float64 kernel's absence: the op's own error stands
+            self._substituted.add(key)
+            return out
 
-    def _substitute(self, func: Any, args: Any, kwargs: Any, failure: Exception | None) -> Any:
+    def _substitute(self, func: Any, args: Any, kwargs: Any, leaves: list[torch.Tensor]) -> Any:
         exact = FLOAT64_IMPLEMENTATIONS.get(func)
         if exact is not None:
+            out = exact(*args, **kwargs)
             self.exact.add(_op_name(func))
-            return exact(*args, **kwargs)
-        try:
-            out = func(*pytree.tree_map(_to32, args), **pytree.tree_map(_to32, kwargs))
-        except Exception:
-            if failure is not None:
-                raise failure from None  # not a float64 kernel's absence: the op's own error stands
-            raise
-        self.in_float32.add(_op_name(func))
+            return out
+        out = func(*pytree.tree_map(_to32, args), **pytree.tree_map(_to32, kwargs))
+        mixed = any(leaf.is_floating_point() and leaf.dtype != torch.float64 for leaf in leaves)
+        (self.mixed if mixed else self.in_float32).add(_op_name(func))
         return pytree.tree_map(self._back, out)
 
     def _back(self, value: Any) -> Any:
@@ -127,8 +139,10 @@ class Float64Ops(TorchDispatchMode):
         if self._perturb is not None and value.numel():
             signs = torch.rand(value.shape, generator=self._perturb, dtype=torch.float64,
                                device="cpu").to(value.device) * 2 - 1
-            largest = value.abs().nan_to_num(posinf=0.0, neginf=0.0).max()
-            value = value + signs * (PERTURBATION * torch.finfo(torch.float32).eps) * largest
+            ordinary = value.abs() < SENTINEL  # a mask's fill value (finfo.min) is no scale, and not perturbed
+            largest = torch.where(ordinary, value.abs(), 0.0).max()
+            moved = signs * (PERTURBATION * torch.finfo(torch.float32).eps) * largest
+            value = torch.where(ordinary, value + moved, value)
         return value
 
 
@@ -166,23 +180,33 @@ def float64_truth(model: nn.Module, inputs: Inputs, loss_fn: LossFn, target: Any
             result = step(mode)
         except Exception:
             raise failed from None
-        if not (mode.exact or mode.in_float32):
+        if not (mode.exact or mode.in_float32 or mode.mixed):
             raise
     else:
         truth = Truth(**vars(result))
         if eager_dtype == torch.float64:
             _float64_rounding(truth, step)
         return truth
-    truth = Truth(**vars(result), exact_ops=tuple(sorted(mode.exact)), float32_ops=tuple(sorted(mode.in_float32)))
+    truth = Truth(**vars(result), exact_ops=tuple(sorted(mode.exact)),
+                  float32_ops=tuple(sorted(mode.in_float32 | mode.mixed)))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if truth.exact_ops:
         truth.notes.append(f"the float64 truth computes {', '.join(truth.exact_ops)} with pipecheck's float64 "
                            f"implementation (no float64 kernel on {device.type})")
-    if truth.float32_ops:
-        truth.error = _difference(result, step(Float64Ops(perturb=torch.Generator().manual_seed(seed))))
-        truth.notes.append(
-            f"the float64 truth runs {', '.join(truth.float32_ops)} in float32 (it failed in float64 on "
-            f"{device.type}): the tolerance adds how far {PERTURBATION:g} float32 epsilons there move each value")
+    why = [f"{', '.join(sorted(ops))} in float32 ({reason})" for ops, reason in (
+        (mode.in_float32, f"no float64 kernel on {device.type}"),
+        (mode.mixed, "float64 mixed there with a float32 tensor the model makes itself")) if ops]
+    if why:
+        try:
+            truth.error = _difference(result, step(Float64Ops(perturb=torch.Generator().manual_seed(seed))),
+                                      strict=True)
+        except Exception as err:  # the run's structure follows a value the perturbation moved
+            truth.notes.append(f"the float64 truth runs {' and '.join(why)}, and how far that moves "
+                               f"each value could not be measured ({type(err).__name__}: {first_line(err)}): the "
+                               "tolerance does not account for it")
+        else:
+            truth.notes.append(f"the float64 truth runs {' and '.join(why)}: the tolerance adds how "
+                               f"far {PERTURBATION:g} float32 epsilons there move each value")
     return truth
 
 
@@ -202,14 +226,22 @@ def _float64_rounding(truth: Truth, step: Callable[..., StepResult]) -> None:
                            "the tolerance is float64's floor of 2 epsilons alone")
 
 
-def _difference(result: StepResult, other: StepResult, factor: float = 1.0) -> StepResult:
-    """``|result - other| * factor`` value by value, in float64 (0 where either is not finite)."""
+def _difference(result: StepResult, other: StepResult, factor: float = 1.0, strict: bool = False) -> StepResult:
+    """``|result - other| * factor`` value by value, in float64 (0 where either is not finite; a
+    complex value's as its (real, imaginary) pairs). ``strict``: a value whose shape differs is an
+    error, not 0."""
 
     def diff(a: Any, b: Any) -> Any:
         if not isinstance(a, torch.Tensor):
             return a
-        if not (isinstance(b, torch.Tensor) and a.is_floating_point() and a.shape == b.shape):
+        if strict and not (isinstance(b, torch.Tensor) and b.shape == a.shape):
+            raise ValueError(f"a value of shape {tuple(a.shape)} came back as {getattr(b, 'shape', b)!r}")
+        if not (isinstance(b, torch.Tensor) and (a.is_floating_point() or a.is_complex()) and a.shape == b.shape
+                and a.is_complex() == b.is_complex()):
             return torch.zeros(a.shape, dtype=torch.float64, device=a.device)
+        if a.is_complex():
+            return (torch.view_as_real(a.to(torch.complex128) - b.to(torch.complex128)).abs() * factor).nan_to_num(
+                nan=0.0, posinf=0.0, neginf=0.0)
         return ((a.double() - b.double()).abs() * factor).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
     return StepResult(**pytree.tree_map(diff, _values(result), _values(other)))

@@ -142,6 +142,15 @@ class OwnGeneratorStochasticDepth(StochasticDepth):
         return self.b(h + self.scale * self.branch(h) * keep)
 
 
+class DefaultGeneratorStochasticDepth(StochasticDepth):
+    """Torch's default generator, passed explicitly: not a generator of its own, and left as found."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        keep = torch.empty(h.shape[0], 1).bernoulli_(0.5, generator=torch.default_generator) / 0.5
+        return self.b(h + self.scale * self.branch(h) * keep)
+
+
 class PythonRandomScale(TwoLayers):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * (1 + 1e-6 * random.random())
@@ -158,14 +167,15 @@ class DropoutOfZero(TwoLayers):
         return self.b(self.drop(torch.relu(self.a(x))))
 
 
-@pytest.mark.parametrize("model", [StochasticDepth, OwnGeneratorStochasticDepth, PythonRandomScale],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize("model", [StochasticDepth, OwnGeneratorStochasticDepth, DefaultGeneratorStochasticDepth,
+                                   PythonRandomScale], ids=lambda m: m.__name__)
 def test_randomness_a_few_ulps_deep_is_refused_as_randomness(model: type[nn.Module]) -> None:
     state = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
     with pytest.raises(pc.InputError) as info:
         _check(model)
     drew = {StochasticDepth: "aten.bernoulli_", OwnGeneratorStochasticDepth: "aten.bernoulli_, from a "
-            "torch.Generator of its own", PythonRandomScale: "Python's or numpy's RNG"}[model]
+            "torch.Generator of its own", DefaultGeneratorStochasticDepth: "aten.bernoulli_",
+            PythonRandomScale: "Python's or numpy's RNG"}[model]
     assert f"{model.__name__} is not deterministic: its forward draws random numbers ({drew}), and its outputs " \
            "follow the seed" in str(info.value)
     assert "come back bit for bit under the same one" in str(info.value)

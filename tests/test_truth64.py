@@ -228,3 +228,95 @@ def test_a_float64_only_model_is_checked_at_float64_s_floor_and_says_so() -> Non
     assert report.ok and report.dtype == "float64"
     assert any(note.startswith("float64's own rounding could not be estimated, the same step in float32 failed")
                and "TypeError: float64 inputs only" in note for note in report.notes), report.notes
+
+
+# --- review: odd models through the truth ---------------------------------------------------------------------------
+
+@torch.library.custom_op("pipecheck_test::causal_mask32", mutates_args=())
+def causal_mask32(scores: torch.Tensor) -> torch.Tensor:
+    """Fills the future with finfo(float32).min, float32 kernel only (as fused attention kernels do)."""
+    if scores.dtype == torch.float64:
+        raise RuntimeError("causal_mask32 is not implemented for 'Double'")
+    future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+    return scores.masked_fill(future, torch.finfo(torch.float32).min)
+
+
+@causal_mask32.register_fake
+def _(scores: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(scores)
+
+
+causal_mask32.register_autograd(
+    lambda ctx, grad: grad.masked_fill(torch.ones(grad.shape[-2:], dtype=torch.bool).triu(1), 0.0),
+    setup_context=lambda ctx, inputs, output: None)
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, seq, 8)
+        scores = causal_mask32(self.q(x) @ self.k(x).transpose(-2, -1))
+        h = torch.softmax(scores, dim=-1) @ x
+        pc.pipe_split()
+        return self.out(h)
+
+
+def test_a_mask_s_fill_value_is_no_scale_for_the_float32_op_s_rounding() -> None:
+    """Perturbing by 8 epsilons of finfo.min moved every value: every row was blind (a PowerError)."""
+    report = pc.assert_equivalent(MaskedAttention, (torch.randn(4, 6, 8),), runner="reference", n_microbatches=2)
+    assert report.ok and report.power < 1e-4, report.power_text()
+
+
+class FixedDtypeEye(nn.Module):
+    """Mixes its input with a float32 tensor it makes itself: the float64 copy's matmul fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) @ torch.eye(4)
+        pc.pipe_split()
+        return self.b(h)
+
+
+def test_float64_mixed_with_a_tensor_the_model_makes_is_named_as_such() -> None:
+    report = pc.assert_equivalent(FixedDtypeEye, (torch.randn(8, 4),), runner="reference", n_microbatches=2)
+    assert report.ok and report.power < 1e-4
+    note = next(note for note in report.notes if note.startswith("the float64 truth runs"))
+    assert "in float32 (float64 mixed there with a float32 tensor the model makes itself)" in note, note
+
+
+def test_higher_order_ops_pass_through_the_truth_s_and_the_probe_s_dispatch_modes() -> None:
+    from pipecheck._eager import _Draws
+    from pipecheck._truth64 import Float64Ops
+
+    x = torch.randn(3, dtype=torch.float64)
+    for mode in (Float64Ops(), _Draws()):
+        with mode:
+            y = torch.cond(x.sum() > 0, torch.sin, torch.cos, (x,))
+        assert torch.equal(y, torch.sin(x) if x.sum() > 0 else torch.cos(x))
+
+
+def test_a_complex_value_of_a_float64_check_carries_its_rounding_too() -> None:
+    import test_numerics
+
+    report = pc.assert_equivalent(test_numerics.ComplexPhase, (torch.randn(8, 4),), runner="reference",
+                                  n_microbatches=2, dtype=torch.float64)
+    phase = report.row("grad phase")  # complex128, compared as (real, imaginary) pairs
+    assert report.ok and phase.eager_off is not None and phase.eager_off > 0  # not float64's floor alone
+
+
+def test_the_cast_and_back_leaves_parameters_and_their_gradients_the_very_objects_they_were() -> None:
+    from pipecheck._eager import in_dtype
+
+    model = nn.Linear(4, 4)
+    model(torch.randn(2, 4)).sum().backward()
+    param, data, grad = model.weight, model.weight.data, model.weight.grad
+    before = grad.clone()
+    with in_dtype(model, torch.float64) as cast:
+        assert cast.weight.dtype == torch.float64
+    assert model.weight is param and model.weight.data.data_ptr() == data.data_ptr()
+    assert model.weight.grad is grad and grad.dtype == torch.float32 and torch.equal(grad, before)
