@@ -301,7 +301,7 @@ def diverges(test: torch.Tensor, truth: torch.Tensor) -> tuple[bool, float, floa
     if test.shape != truth.shape or test.dtype != truth.dtype:
         return True, float("inf"), float("inf")
     if test.is_complex():
-        test, truth = torch.view_as_real(test), torch.view_as_real(truth)
+        test, truth = torch.view_as_real(test.resolve_conj()), torch.view_as_real(truth.resolve_conj())
     if not test.is_floating_point():
         equal = bool(torch.equal(test, truth))
         return not equal, 0.0 if equal else float("inf"), 0.0 if equal else float("inf")

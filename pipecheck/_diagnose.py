@@ -18,7 +18,7 @@ import torch
 def _real64(t: torch.Tensor) -> torch.Tensor:
     """On the host in float64; a complex tensor as its (real, imaginary) pairs."""
     t = t.detach().cpu()
-    return (torch.view_as_real(t) if t.is_complex() else t).double()
+    return (torch.view_as_real(t.resolve_conj()) if t.is_complex() else t).double()
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:

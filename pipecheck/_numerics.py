@@ -125,11 +125,12 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
     if eager.is_complex() or test.is_complex():  # compared as (real, imaginary) pairs
         if not (eager.is_complex() and test.is_complex()):
             return _failing_row(name, stages, shape, f"runner's dtype {test.dtype} != eager's {eager.dtype}", tol_text)
-        real = torch.view_as_real(ref64.detach()) if isinstance(ref64, torch.Tensor) and ref64.is_complex() else ref64
-        error = (torch.view_as_real(truth_error) if isinstance(truth_error, torch.Tensor) and truth_error.is_complex()
+        real = torch.view_as_real(ref64.detach().resolve_conj()) if isinstance(ref64, torch.Tensor) and ref64.is_complex() else ref64
+        error = (torch.view_as_real(truth_error.resolve_conj()) if isinstance(truth_error, torch.Tensor) and truth_error.is_complex()
                  else truth_error if isinstance(truth_error, torch.Tensor) and truth_error.shape == (*shape, 2)
                  else None)  # pipecheck._truth64 gives it as (real, imaginary) pairs
-        row = compare(name, torch.view_as_real(test.detach()), torch.view_as_real(eager.detach()), real, tolerance,
+        row = compare(name, torch.view_as_real(test.detach().resolve_conj()),  # a conjugate view: resolved
+                      torch.view_as_real(eager.detach().resolve_conj()), real, tolerance,
                       stages, truth_error=error)
         index = row.worst_index[:-1] if row.worst_index is not None else None  # the element, not its part
         return dataclasses.replace(row, shape=shape, worst_index=index)

@@ -31,14 +31,17 @@ def _projectable(leaf: Any) -> bool:
 
 
 def projection_target(outputs: Any, seed: int = 0) -> Any:
-    """Random weights (std 1/sqrt(numel)) shaped like each floating output leaf; 0 elsewhere."""
+    """Random weights (std 1/sqrt(numel)) shaped like each floating output leaf; 0 elsewhere. A
+    complex leaf gets real weights for its (real, imaginary) pairs (``torch.view_as_real``'s shape):
+    the loss stays real, and both parts of every element are projected."""
     generator = torch.Generator().manual_seed(seed)
     leaves, spec = pytree.tree_flatten(outputs)
     weights = []
     for leaf in leaves:
         if _projectable(leaf):
-            w = torch.randn(leaf.shape, generator=generator, dtype=torch.float64)
-            weights.append((w / max(leaf.numel(), 1) ** 0.5).to(device=leaf.device, dtype=leaf.dtype))
+            shape = (*leaf.shape, 2) if leaf.is_complex() else leaf.shape
+            w = torch.randn(shape, generator=generator, dtype=torch.float64) / max(leaf.numel(), 1) ** 0.5
+            weights.append(w.to(device=leaf.device, dtype=leaf.real.dtype if leaf.is_complex() else leaf.dtype))
         else:
             weights.append(torch.zeros(()))
     return pytree.tree_unflatten(weights, spec)
@@ -51,7 +54,8 @@ def projection_loss(outputs: Any, target: Any) -> torch.Tensor:
     if len(out_leaves) != len(weight_leaves):
         raise LossError("projection_loss: the target does not match the outputs' structure. "
                         "Fix: build it with projection_target(outputs) on the same model.")
-    terms = [(o * w).sum() for o, w in zip(out_leaves, weight_leaves) if _projectable(o)]
+    terms = [((torch.view_as_real(o.resolve_conj()) if o.is_complex() else o) * w).sum()
+             for o, w in zip(out_leaves, weight_leaves) if _projectable(o)]
     if not terms:
         raise LossError("the model has no floating-point output to take gradients of. "
                         "Fix: pass loss_fn=..., or check_grads=False.")

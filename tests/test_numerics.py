@@ -88,3 +88,36 @@ def test_complex_parameters_keep_their_imaginary_part_and_are_compared_as_pairs(
     failing = caught.value.report.row("grad phase")
     assert [row.name for row in caught.value.report.rows if not row.ok] == ["grad phase"]
     assert failing.shape == (4,) and failing.worst_index is not None and len(failing.worst_index) == 1
+
+
+class ComplexOutput(nn.Module):
+    """A complex output (a spectrum): the default loss projects both parts of every element."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        pc.pipe_split()
+        h = self.b(h)
+        return h, torch.fft.fft(h)
+
+
+def spectrum_conjugated(job: pc.Job) -> pc.StepResult:
+    from pipecheck._runners import run_reference
+
+    result = run_reference(job)
+    result.outputs = (result.outputs[0], result.outputs[1].conj())
+    return result
+
+
+def test_a_complex_output_is_checked_with_the_default_loss_in_both_its_parts() -> None:
+    """Before, the projection of a complex output was complex and its backward refused it."""
+    x = torch.randn(8, 8)
+    for dtype in (None, torch.float64):
+        report = pc.assert_equivalent(ComplexOutput, (x,), runner="reference", n_microbatches=2, dtype=dtype)
+        assert report.ok and report.row("output[1]").shape == (8, 8) and report.row("grad a.weight").numel
+    with pytest.raises(pc.EquivalenceError) as caught:  # only the imaginary parts differ
+        pc.assert_equivalent(ComplexOutput, (x,), runner=spectrum_conjugated, n_microbatches=2)
+    assert [row.name for row in caught.value.report.failures] == ["output[1]"]
