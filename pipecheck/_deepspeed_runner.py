@@ -67,6 +67,12 @@ def _check_job(job: Job, runner: str) -> None:
         problems.append(f"stages_per_rank={job.stages_per_rank}: DeepSpeed runs one stage per rank")
     if str(job.device) != "cpu":
         problems.append(f"device={job.device!r}: pipecheck drives DeepSpeed on its CPU accelerator (gloo) only")
+    wide = sorted({str(p.dtype).removeprefix("torch.") for stage in job.structure().stages
+                   for p in stage.module.parameters() if p.dtype in (torch.float64, torch.complex128)})
+    if wide:
+        problems.append(f"{' and '.join(wide)} parameters: DeepSpeed reduces gradients only in its accelerator's "
+                        "dtypes (float32, bfloat16, float16; its engine asserts 'attempting to reduce an "
+                        "unsupported grad type: torch.float64'); check it in float32 (dtype=torch.float32)")
     if problems:
         raise InputError(f"{runner} cannot run this job: " + "; ".join(problems) + ".")
 

@@ -113,6 +113,17 @@ def test_engine_refusals_of_the_job_are_input_errors() -> None:
         _need_deepspeed_runner()(pc.Job(entry.factory(), args, kwargs, stages_per_rank=2, n_microbatches=4))
 
 
+def test_a_float64_check_is_refused_before_deepspeed_asserts_on_its_gradients() -> None:
+    """DeepSpeed's reduce asserts 'unsupported grad type: torch.float64' on its CPU accelerator."""
+    _need_deepspeed_runner()
+    entry = get("mlp")
+    args, kwargs = entry.inputs()
+    with pytest.raises(pc.InputError, match=r"float64 parameters: DeepSpeed reduces gradients only in .*"
+                                            r"check it in float32 \(dtype=torch.float32\)"):
+        pc.assert_equivalent(entry.factory(), args, kwargs, runner="deepspeed", n_microbatches=4,
+                             dtype=torch.float64)
+
+
 class Scaled(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
