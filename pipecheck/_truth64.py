@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipecheck._eager import eager_step, float64_failure_explained, in_dtype
-from pipecheck._errors import InputError, first_line
+from pipecheck._errors import InputError, LossError, first_line
 from pipecheck._inputs import Inputs, cast_inputs
 from pipecheck._model_factory import buffers_kept, seeded
 from pipecheck._result import StepResult
@@ -174,7 +174,7 @@ def float64_truth(model: nn.Module, inputs: Inputs, loss_fn: LossFn, target: Any
     try:
         with float64_failure_explained(model):
             result = step()
-    except InputError as failed:
+    except (InputError, LossError) as failed:  # the model's or the loss's ops, tried again
         mode = Float64Ops()
         try:
             result = step(mode)

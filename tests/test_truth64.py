@@ -320,3 +320,27 @@ def test_the_cast_and_back_leaves_parameters_and_their_gradients_the_very_object
         assert cast.weight.dtype == torch.float64
     assert model.weight is param and model.weight.data.data_ptr() == data.data_ptr()
     assert model.weight.grad is grad and grad.dtype == torch.float32 and torch.equal(grad, before)
+
+
+def cube_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss through the float32-only op: the float64 truth's loss fails as its model would."""
+    return cube32(out - target).mean()
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        pc.pipe_split()
+        return self.b(h)
+
+
+def test_a_loss_through_an_op_without_a_float64_kernel_gets_a_truth_too() -> None:
+    """The model runs in float64; only the loss fails there (a LossError, retried like the model's)."""
+    report = pc.assert_equivalent(Plain, (torch.randn(8, 8),), runner="reference", n_microbatches=2,
+                                  loss_fn=cube_loss, target=torch.randn(8, 4))
+    assert report.ok and report.power < 1e-4, report.power_text()
+    assert any("runs torch.ops.pipecheck_test.cube32 in float32" in note for note in report.notes), report.notes
