@@ -66,18 +66,20 @@ class Float32Op(nn.Module):
 
 
 class Experts(nn.Module):
-    """Two experts over the halves of each micro-batch, through torch._grouped_mm (no float64 kernel)."""
+    """Two experts over the halves of each micro-batch of 4, through torch._grouped_mm (no float64
+    kernel). The group ends are a buffer, so fx traces it on every torch (torch 2.10's export refused
+    a float32 grouped_mm: "Expected inputs of BF16 type")."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 8)
         self.experts = nn.Parameter(torch.randn(2, 16, 8) / 4)  # (group, out, in), applied transposed
         self.out = nn.Linear(16, 4)
+        self.register_buffer("offs", torch.tensor([2, 4], dtype=torch.int32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
-        offs = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32)
-        h = torch._grouped_mm(h, self.experts.transpose(-2, -1), offs=offs)
+        h = torch._grouped_mm(h, self.experts.transpose(-2, -1), offs=self.offs)
         pc.pipe_split()
         return self.out(torch.tanh(h))
 
