@@ -12,8 +12,10 @@ is then run again under :class:`Float64Ops`: such an op runs as a float64 implem
 pipecheck's own where there is one (``FLOAT64_IMPLEMENTATIONS``: exact, nothing to account for),
 else in float32 on its inputs rounded to float32, its outputs back in float64. The truth is then
 only as exact as that op's float32 rounding: one more run, with every such op's outputs moved by
-``PERTURBATION`` float32 epsilons of their largest value (seeded random signs), measures how far
-that moves each value, and the auto tolerance adds it to eager's own error (``truth.error``).
+``PERTURBATION`` float32 epsilons of their largest ordinary value (a mask's fill value is none;
+seeded random signs), measures how far that moves each value, and the auto tolerance adds it to
+eager's own error (``truth.error``). A check in float64 has no more precise truth than eager's own
+step: there ``truth.error`` estimates float64's rounding from the same step in float32.
 """
 
 from __future__ import annotations
