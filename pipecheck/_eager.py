@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -56,7 +56,7 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
     if backward_each and loss_fn is not None and check_grads:
         return _step_each(model, bound, calls, MicrobatchLoss(loss_fn, target, n_microbatches)), target
     outputs = [_call(model, call, n_microbatches, whole=bound) for call in calls]
-    merged = merge_microbatches(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, outputs))
+    merged = merge_microbatches(_detached(outputs))
     if loss_fn is None:
         loss_fn, target = projection_loss, projection_target(merged)
     loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
@@ -64,14 +64,10 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
     grads: dict[str, torch.Tensor] = {}
     input_grads: dict[str, torch.Tensor] = {}
     if check_grads:
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        named_inputs = [(name, value) for name, value in unwrap_replicated(dict(bound.arguments)).items()
-                        if isinstance(value, torch.Tensor) and value.requires_grad]
+        params, named_inputs = _differentiable(model, bound)
         wrt = [p for _, p in params] + [t for _, t in named_inputs]
         if wrt and loss.requires_grad:
-            got = _gradients(model, loss, wrt)
-            grads = {n: g for (n, _), g in zip(params, got) if g is not None}
-            input_grads = {n: g for (n, _), g in zip(named_inputs, got[len(params):]) if g is not None}
+            grads, input_grads = _by_name(params, named_inputs, _gradients(model, loss, wrt))
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     return StepResult(merged, loss.detach(), grads, input_grads, buffers), target
 
@@ -80,9 +76,7 @@ def _step_each(model: nn.Module, bound: inspect.BoundArguments, calls: list[insp
                loss_of: MicrobatchLoss) -> StepResult:
     """:func:`eager_step` with each micro-batch's backward (of its loss / n) before the next forward."""
     n = len(calls)
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    named_inputs = [(name, value) for name, value in unwrap_replicated(dict(bound.arguments)).items()
-                    if isinstance(value, torch.Tensor) and value.requires_grad]
+    params, named_inputs = _differentiable(model, bound)
     wrt = [p for _, p in params] + [t for _, t in named_inputs]
     sums: list[torch.Tensor | None] = [None] * len(wrt)
     outputs, losses = [], []
@@ -93,13 +87,34 @@ def _step_each(model: nn.Module, bound: inspect.BoundArguments, calls: list[insp
             for i, grad in enumerate(_gradients(model, loss / n, wrt)):
                 if grad is not None:
                     sums[i] = grad if sums[i] is None else sums[i] + grad
-        outputs.append(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out))
+        outputs.append(_detached(out))
         losses.append(loss.detach())
         del out, loss
-    grads = {name: g for (name, _), g in zip(params, sums) if g is not None}
-    input_grads = {name: g for (name, _), g in zip(named_inputs, sums[len(params):]) if g is not None}
+    grads, input_grads = _by_name(params, named_inputs, sums)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     return StepResult(merge_microbatches(outputs), torch.stack(losses).mean(), grads, input_grads, buffers)
+
+
+def _detached(tree: Any) -> Any:
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
+
+
+def _differentiable(model: nn.Module, bound: inspect.BoundArguments
+                    ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """The parameters and the model inputs a step takes gradients of, by name."""
+    params: list[tuple[str, torch.Tensor]] = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    named_inputs: list[tuple[str, torch.Tensor]] = [
+        (name, value) for name, value in unwrap_replicated(dict(bound.arguments)).items()
+        if isinstance(value, torch.Tensor) and value.requires_grad]
+    return params, named_inputs
+
+
+def _by_name(params: list[tuple[str, torch.Tensor]], named_inputs: list[tuple[str, torch.Tensor]],
+             got: Sequence[torch.Tensor | None]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Gradients in ``_differentiable``'s order back to (parameter, input) names; None: none there."""
+    grads = {name: g for (name, _), g in zip(params, got) if g is not None}
+    input_grads = {name: g for (name, _), g in zip(named_inputs, got[len(params):]) if g is not None}
+    return grads, input_grads
 
 
 def _gradients(model: nn.Module, loss: torch.Tensor, wrt: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
