@@ -12,7 +12,7 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipecheck._torch_versions import TESTED_TORCH  # noqa: E402  (torch-free: no torch in nox's own venv)
+from pipecheck._core.torch_versions import TESTED_TORCH  # noqa: E402  (torch-free: no torch in nox's own venv)
 
 nox.options.sessions = ["tests", "lint"]
 nox.options.default_venv_backend = "venv"
@@ -27,7 +27,7 @@ def _install_with_torch(session: nox.Session, minor: str) -> None:
     """pipecheck and its test extras with torch ``minor`` (one resolution, so nothing moves torch), and
     a check that it is the torch the session runs."""
     session.install(f"torch=={minor}.*", "-e", ".[test]", env=NO_CONSTRAINTS)
-    session.run("python", "-c", "import sys, torch; from pipecheck._torch_versions import minor; "
+    session.run("python", "-c", "import sys, torch; from pipecheck._core.torch_versions import minor; "
                 f"print('torch', torch.__version__); sys.exit(minor(torch.__version__) != {minor!r})")
 
 

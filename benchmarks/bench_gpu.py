@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 import pipecheck as pc
-from pipecheck._distributed_runner import plan_schedule, step_spec
-from pipecheck._runtime import StageExecutor
-from pipecheck._torch_schedules import v_warmup_patch
+from pipecheck._runners.runtime.driver import plan_schedule, step_spec
+from pipecheck._runtime.executor import StageExecutor
+from pipecheck._schedule.torch_classes import v_warmup_patch
 
 try:
     from _gpt import GPT, GPTConfig, gpt_inputs, lm_loss, split_spec

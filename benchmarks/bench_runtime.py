@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from pipecheck.fixtures import get
 
 import pipecheck as pc
-from pipecheck._distributed_runner import merge_rank_results, plan_schedule, step_spec
-from pipecheck._runtime import StageExecutor, StepSpec, rank_step
-from pipecheck._timeline import measured_bubble_fraction
-from pipecheck._world import RankContext
+from pipecheck._runners.runtime.driver import merge_rank_results, plan_schedule, step_spec
+from pipecheck._runtime.executor import StageExecutor, StepSpec, rank_step
+from pipecheck._runtime.timeline import measured_bubble_fraction
+from pipecheck._world.world import RankContext
 
 try:
     from _results import machine, median, write_section

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pipecheck as pc
-from pipecheck._timeline import Event, measured_bubble_fraction
+from pipecheck._runtime.timeline import Event, measured_bubble_fraction
 from pipecheck.schedules import make_schedule, simulated_bubble_fraction
 
 try:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import pipecheck as pc
-from pipecheck._runners import run_reference
+from pipecheck._runners.base import run_reference
 
 LAYERS = 25  # 25 Linear layers and a head: 52 parameter tensors, 54 rows with the output and the loss
 

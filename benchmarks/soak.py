@@ -55,11 +55,12 @@ def rss_mib(pid: int | str = "self") -> float | None:
 
 def cache_sizes() -> dict[str, int]:
     """Entries in each cache a check may add to, in this process."""
-    from pipecheck import _comm, _stage_step
+    from pipecheck._runtime import comm as _comm
+    from pipecheck._runtime import stage_step as _stage_step
 
     return {
-        "pipecheck._comm._spec (lru, max 1024)": _comm._spec.cache_info().currsize,
-        "pipecheck._stage_step._TRAINABLE (weak)": len(_stage_step._TRAINABLE),
+        "pipecheck._runtime.comm._spec (lru, max 1024)": _comm._spec.cache_info().currsize,
+        "pipecheck._runtime.stage_step._TRAINABLE (weak)": len(_stage_step._TRAINABLE),
         "torch.fx _loader.eval_cache": len(torch.fx.graph_module._loader.eval_cache),
         "linecache.cache": len(linecache.cache),
         "gc objects": len(gc.get_objects()),

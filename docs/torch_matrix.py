@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from pipecheck._torch_versions import is_tested, minor  # noqa: E402  (torch-free)
+from pipecheck._core.torch_versions import is_tested, minor  # noqa: E402  (torch-free)
 
 RESULTS = ROOT / ".nox" / "torch-matrix"
 PAGE = ROOT / "docs" / "torch-versions.md"

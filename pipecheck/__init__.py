@@ -18,41 +18,41 @@ import typing  # a module, so no typing names leak into the public namespace
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
-    "AdapterError": "pipecheck._errors",
-    "assert_equivalent": "pipecheck._check",
-    "Boundaries": "pipecheck._boundaries",
-    "DetachExecutor": "pipecheck._reference",
-    "Divergence": "pipecheck._boundaries",
-    "Edge": "pipecheck._pipe",
-    "EngineError": "pipecheck._errors",
-    "EquivalenceError": "pipecheck._errors",
-    "InputError": "pipecheck._errors",
-    "Job": "pipecheck._job",
-    "LossError": "pipecheck._errors",
-    "ModelFactory": "pipecheck._model_factory",
-    "NonFiniteError": "pipecheck._errors",
-    "Pipe": "pipecheck._pipe",
-    "PipecheckError": "pipecheck._errors",
-    "PowerError": "pipecheck._errors",
-    "Report": "pipecheck._report",
-    "Runner": "pipecheck._job",
-    "Replicated": "pipecheck._microbatch",
-    "ScheduleError": "pipecheck._errors",
-    "Source": "pipecheck._pipe",
-    "SplitError": "pipecheck._errors",
-    "SplitPoint": "pipecheck._markers",
-    "Stage": "pipecheck._pipe",
-    "StepResult": "pipecheck._result",
-    "TiedGroup": "pipecheck._pipe",
-    "Tolerance": "pipecheck._numerics",
-    "TraceError": "pipecheck._errors",
-    "World": "pipecheck._world",
-    "WorldError": "pipecheck._errors",
-    "merge_microbatches": "pipecheck._microbatch",
-    "pipe_split": "pipecheck._markers",
-    "run_pipeline": "pipecheck._distributed_runner",
-    "split": "pipecheck._pipe",
-    "split_microbatches": "pipecheck._microbatch",
+    "AdapterError": "pipecheck.errors",
+    "assert_equivalent": "pipecheck._check.equivalence",
+    "Boundaries": "pipecheck._runtime.boundaries",
+    "DetachExecutor": "pipecheck._runtime.reference",
+    "Divergence": "pipecheck._runtime.boundaries",
+    "Edge": "pipecheck._split.pipe",
+    "EngineError": "pipecheck.errors",
+    "EquivalenceError": "pipecheck.errors",
+    "InputError": "pipecheck.errors",
+    "Job": "pipecheck._runners.job",
+    "LossError": "pipecheck.errors",
+    "ModelFactory": "pipecheck._split.model_factory",
+    "NonFiniteError": "pipecheck.errors",
+    "Pipe": "pipecheck._split.pipe",
+    "PipecheckError": "pipecheck.errors",
+    "PowerError": "pipecheck.errors",
+    "Report": "pipecheck._check.report",
+    "Runner": "pipecheck._runners.job",
+    "Replicated": "pipecheck._split.microbatch",
+    "ScheduleError": "pipecheck.errors",
+    "Source": "pipecheck._split.pipe",
+    "SplitError": "pipecheck.errors",
+    "SplitPoint": "pipecheck._split.markers",
+    "Stage": "pipecheck._split.pipe",
+    "StepResult": "pipecheck._core.result",
+    "TiedGroup": "pipecheck._split.pipe",
+    "Tolerance": "pipecheck._check.numerics",
+    "TraceError": "pipecheck.errors",
+    "World": "pipecheck._world.world",
+    "WorldError": "pipecheck.errors",
+    "merge_microbatches": "pipecheck._split.microbatch",
+    "pipe_split": "pipecheck._split.markers",
+    "run_pipeline": "pipecheck._runners.runtime.driver",
+    "split": "pipecheck._split.pipe",
+    "split_microbatches": "pipecheck._split.microbatch",
 }
 _SUBMODULES = ("engines", "losses", "policies", "schedules", "strategies")
 
@@ -76,10 +76,20 @@ def __dir__() -> list[str]:
 
 if typing.TYPE_CHECKING:
     from pipecheck import engines, losses, policies, schedules, strategies
-    from pipecheck._boundaries import Boundaries, Divergence
-    from pipecheck._check import assert_equivalent
-    from pipecheck._distributed_runner import run_pipeline
-    from pipecheck._errors import (
+    from pipecheck._check.equivalence import assert_equivalent
+    from pipecheck._check.numerics import Tolerance
+    from pipecheck._check.report import Report
+    from pipecheck._core.result import StepResult
+    from pipecheck._runners.job import Job, Runner
+    from pipecheck._runners.runtime.driver import run_pipeline
+    from pipecheck._runtime.boundaries import Boundaries, Divergence
+    from pipecheck._runtime.reference import DetachExecutor
+    from pipecheck._split.markers import SplitPoint, pipe_split
+    from pipecheck._split.microbatch import Replicated, merge_microbatches, split_microbatches
+    from pipecheck._split.model_factory import ModelFactory
+    from pipecheck._split.pipe import Edge, Pipe, Source, Stage, TiedGroup, split
+    from pipecheck._world.world import World
+    from pipecheck.errors import (
         AdapterError,
         EngineError,
         EquivalenceError,
@@ -93,13 +103,3 @@ if typing.TYPE_CHECKING:
         TraceError,
         WorldError,
     )
-    from pipecheck._job import Job, Runner
-    from pipecheck._markers import SplitPoint, pipe_split
-    from pipecheck._microbatch import Replicated, merge_microbatches, split_microbatches
-    from pipecheck._model_factory import ModelFactory
-    from pipecheck._numerics import Tolerance
-    from pipecheck._pipe import Edge, Pipe, Source, Stage, TiedGroup, split
-    from pipecheck._reference import DetachExecutor
-    from pipecheck._report import Report
-    from pipecheck._result import StepResult
-    from pipecheck._world import World

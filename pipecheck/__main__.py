@@ -1,5 +1,5 @@
-"""``python -m pipecheck``: see :mod:`pipecheck._cli`."""
+"""``python -m pipecheck``: see :mod:`pipecheck._cli.main`."""
 
-from pipecheck._cli import main
+from pipecheck._cli.main import main
 
 raise SystemExit(main())

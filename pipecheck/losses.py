@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecheck._errors import LossError, PipecheckError, first_line
-from pipecheck._microbatch import split_microbatches
+from pipecheck._split.microbatch import split_microbatches
+from pipecheck.errors import LossError, PipecheckError, first_line
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(outputs_of_a_microbatch, target_of_that_microbatch) -> scalar tensor``."""

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pipecheck._errors import SplitError
+from pipecheck.errors import SplitError
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ zero-bubble schedules ("zb", "zbv") split a backward into ``1I3`` (the input
 gradients, sent upstream at once) and a later ``1W3`` (the weight gradients).
 The runtime that executes a schedule lives elsewhere; this module only builds,
 parses, prints and checks schedules (the data types are in
-``pipecheck._schedule_data``, the generators in ``pipecheck._schedule_generators``).
+``pipecheck._schedule.data``, the generators in ``pipecheck._schedule.generators``).
 
 1F1B on 4 ranks with 4 micro-batches (``print(one_f_one_b(4, 4).table())``);
 every action takes one clock cycle and ``.`` is a bubble::
@@ -28,7 +28,7 @@ Rank ``r`` warms up with ``n_stages - r - 1`` forwards, then alternates one
 forward and one backward, then drains the remaining backwards.
 
 Timing model (used by :meth:`Schedule.table`, :func:`validate` and
-:func:`simulated_bubble_fraction`; the simulator is ``pipecheck._schedule_sim``):
+:func:`simulated_bubble_fraction`; the simulator is ``pipecheck._schedule.sim``):
 each action takes one unit; a rank runs its list strictly in order; an action
 starts at the first step after all of its dependencies finished (sends are
 asynchronous and free). ``F(s, m)`` depends on ``F(p, m)`` for every producer
@@ -43,22 +43,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pipecheck._errors import ScheduleError
-from pipecheck._schedule_data import Action, Schedule, check_positive, ranks_for
-from pipecheck._schedule_generators import (
+from pipecheck._schedule.data import Action, Schedule, check_positive, ranks_for
+from pipecheck._schedule.generators import (
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
     zbv,
     zero_bubble_h1,
 )
-from pipecheck._schedule_sim import (
+from pipecheck._schedule.sim import (
     Dependencies,
     bubble,
     chain_dependencies,
     checked_timeline,
     simulate,
 )
+from pipecheck.errors import ScheduleError
 
 __all__ = [
     "SCHEDULE_NAMES",

@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipecheck import pipe_split
-from pipecheck._deepspeed_layers import SplitLayout
-from pipecheck._deepspeed_rank import SplitModelSpec
+from pipecheck._runners.deepspeed.layers import SplitLayout
+from pipecheck._runners.deepspeed.rank import SplitModelSpec
 
 WIDTH, VOCAB, SEQ, BATCH = 8, 16, 3, 8
 

@@ -10,7 +10,7 @@ import importlib.util
 import torch
 from packaging.version import Version
 
-from pipecheck._torch_versions import at_least
+from pipecheck._core.torch_versions import at_least
 
 VERSION = torch.__version__
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecheck._world import RankContext
+from pipecheck._world.world import RankContext
 
 
 def describe_rank(ctx: RankContext) -> dict[str, Any]:

@@ -100,7 +100,7 @@ def test_export_refuses_a_function_it_cannot_keep():
 def test_a_torch_without_the_export_wrapper_refuses_with_its_version(monkeypatch):
     """The keeper is a feature probe: where torch lacks it (before 2.9), export refuses every Function
     and says why, never a misleading fix; fx still keeps it."""
-    from pipecheck import _autograd_functions
+    from pipecheck._split import autograd_functions as _autograd_functions
 
     monkeypatch.setattr(_autograd_functions, "_export_keeper", lambda: None)
     with pytest.raises(pc.TraceError, match=re.escape(f"torch {torch.__version__} has no way") + r".*"

@@ -14,8 +14,8 @@ from expecttest import assert_expected_inline
 
 import pipecheck as pc
 from pipecheck import fixtures
-from pipecheck._runners import run_reference
-from pipecheck._stage_step import (
+from pipecheck._runners.base import run_reference
+from pipecheck._runtime.stage_step import (
     LeafGrads,
     StageForward,
     add_leaf_grads,
@@ -449,7 +449,7 @@ def test_a_random_model_no_tracer_can_trace_is_refused_as_random() -> None:
 
 def test_the_probe_tolerates_last_bit_differences_but_not_random_ones() -> None:
     """Atomic adds on a GPU reorder sums from call to call; dropout changes values wholesale."""
-    from pipecheck._eager import _differ
+    from pipecheck._check.eager import _differ
 
     a = torch.randn(64, 64)
     assert not _differ(a, a.clone())

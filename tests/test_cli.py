@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pipecheck._cli import RUNNERS, classify
-from pipecheck._errors import (
+from pipecheck._cli.main import RUNNERS, classify
+from pipecheck.errors import (
     AdapterError,
     EngineError,
     EquivalenceError,
@@ -69,7 +69,7 @@ def broken_factory():
 
 
 def doubled_grads(job):
-    from pipecheck._runners import run_reference
+    from pipecheck._runners.base import run_reference
     result = run_reference(job)
     result.grads = {name: 2 * grad for name, grad in result.grads.items()}
     return result
@@ -83,7 +83,7 @@ def make_deep():
 
 
 def summed_grads(job):  # each micro-batch's loss not divided by n_microbatches
-    from pipecheck._runners import run_reference
+    from pipecheck._runners.base import run_reference
     result = run_reference(job)
     result.grads = {name: job.n_microbatches * grad for name, grad in result.grads.items()}
     return result
@@ -303,7 +303,7 @@ def test_an_engine_error_exits_3(user_dir: Path) -> None:
                                          "RuntimeError: my engine crashed")
 
 
-INTERNAL = ("import pipecheck._cli as cli\n"
+INTERNAL = ("import pipecheck._cli.main as cli\n"
             "def boom(args):\n"
             "    return 1 / 0\n"
             "cli.cmd_check = boom\n"
@@ -364,7 +364,7 @@ def test_check_help_shows_defaults(user_dir: Path) -> None:
 
 
 def test_the_cli_knows_every_builtin_runner_and_each_installed_engine() -> None:
-    from pipecheck._runners import available_runners
+    from pipecheck._runners.base import available_runners
 
     assert list(RUNNERS) == available_runners()
 
@@ -372,7 +372,7 @@ def test_the_cli_knows_every_builtin_runner_and_each_installed_engine() -> None:
 def test_modules_import_from_the_current_directory_as_with_python_m(tmp_path: Path, monkeypatch) -> None:
     """The `pipecheck` script's sys.path starts with its bin directory, not the current one; spawned
     ranks inherit the driver's sys.path, so they import the user's module from there too."""
-    from pipecheck._cli_options import load_object
+    from pipecheck._cli.options import load_object
 
     name = f"cli_models_{os.getpid()}"
     (tmp_path / f"{name}.py").write_text("def make():\n    return 7\n")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipecheck._cli import main
-from pipecheck._cli_zoo import markers, stages_per_rank_for
+from pipecheck._cli.main import main
+from pipecheck._cli.zoo import markers, stages_per_rank_for
 
 
 @pytest.mark.parametrize("runner,schedule,default,want", [
@@ -65,7 +65,7 @@ def test_an_unwritable_json_path_is_refused_before_the_zoo_runs(tmp_path: Path,
 
 
 def test_a_cell_that_raises_what_pipecheck_never_raises_is_an_internal_error_counted_everywhere() -> None:
-    from pipecheck._cli_zoo import zoo_cell
+    from pipecheck._cli.zoo import zoo_cell
 
     def broken() -> None:
         raise KeyError("a bug")

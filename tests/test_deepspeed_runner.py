@@ -20,13 +20,13 @@ import torch
 from pipecheck.fixtures import ZOO, get
 
 import pipecheck as pc
-from pipecheck._deepspeed_layers import (
+from pipecheck._runners.deepspeed.layers import (
     LayerListModel,
     boundary_problems,
     layer_param_counts,
     split_layout,
 )
-from pipecheck._pipe import Source
+from pipecheck._split.pipe import Source
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks unpickle _engine_models by name
 import _engine_models as em  # noqa: E402
@@ -144,7 +144,7 @@ def test_a_replicated_input_that_needs_its_gradient_is_refused_not_reported_miss
 
 
 def _need_deepspeed_runner() -> Any:
-    from pipecheck._deepspeed_runner import run_deepspeed
+    from pipecheck._runners.deepspeed.driver import run_deepspeed
 
     return run_deepspeed
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import pipecheck as pc
 from pipecheck import fixtures
-from pipecheck._errors import TaskPickleError
+from pipecheck.errors import TaskPickleError
 
 zoo_models = fixtures.models
 
@@ -281,7 +281,7 @@ def test_a_raising_loss_fn_on_a_rank_is_that_rank_s_loss_error() -> None:
         with pytest.raises(pc.WorldError) as info:
             pc.run_pipeline(world, _two_stages, (X4,), n_microbatches=2, loss_fn=jobs.exploding_loss, target=Y4)
     error = info.value.error  # type: ignore[attr-defined]
-    assert (error.exc_type, error.rank, error.stage) == ("pipecheck._errors.LossError", 0, 0)
+    assert (error.exc_type, error.rank, error.stage) == ("pipecheck.errors.LossError", 0, 0)
     assert error.message.startswith("loss_fn 'exploding_loss' raised ValueError: loss exploded on micro-batch 0")
 
 

@@ -14,9 +14,9 @@ from mutants.runners import MUTANTS, BaseRunner, check
 from pipecheck.fixtures import get
 
 import pipecheck as pc
-from pipecheck._boundaries import instrument
-from pipecheck._diagnose import microbatch_weights, weights_hint
-from pipecheck._microbatch import merge_microbatches
+from pipecheck._check.diagnose import microbatch_weights, weights_hint
+from pipecheck._runtime.boundaries import instrument
+from pipecheck._split.microbatch import merge_microbatches
 
 
 class SendWrongAfterFirst(BaseRunner):
@@ -251,7 +251,7 @@ def test_torch_s_tied_embedding_is_located_in_its_gradient_handling_not_its_data
 
 
 def test_the_failing_microbatches_of_an_output_are_judged_under_the_row_s_own_tolerance() -> None:
-    from pipecheck._numerics import compare
+    from pipecheck._check.numerics import compare
 
     truth = torch.tensor([[1.0, 2.0], [3.0, 4.0], [1e-3, 1e-3], [5.0, 6.0]], dtype=torch.float64)
     eager = truth.float() + torch.tensor([[0.0, 0.0], [0.0, 0.0], [1e-4, 0.0], [0.0, 0.0]])  # eager's own error
@@ -269,7 +269,7 @@ def test_a_weights_fit_that_only_absorbs_noise_is_no_hint() -> None:
 
 
 def test_a_runner_that_records_only_forwards_is_not_blamed_for_missing_gradients() -> None:
-    from pipecheck._boundaries import first_divergence
+    from pipecheck._runtime.boundaries import first_divergence
 
     truth = {(0, 0, "sent", "h"): torch.ones(2), (0, 0, "grad received", "h"): torch.ones(2)}
     found, _ = first_divergence({(0, 0, "sent", "h"): torch.ones(2)}, truth, 1, 2, {})
@@ -277,7 +277,7 @@ def test_a_runner_that_records_only_forwards_is_not_blamed_for_missing_gradients
 
 
 def test_a_received_value_of_another_dtype_says_so() -> None:
-    from pipecheck._boundaries import first_divergence
+    from pipecheck._runtime.boundaries import first_divergence
 
     truth = {(1, 0, "received", "h"): torch.ones(2)}
     found, _ = first_divergence({(1, 0, "received", "h"): torch.ones(2, dtype=torch.bfloat16)}, truth, 1, 2,

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 import pipecheck as pc
 from pipecheck import fixtures
 from pipecheck import strategies as pst
-from pipecheck._runners import run_reference
+from pipecheck._runners.base import run_reference
 
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:  # spawned ranks unpickle _world_jobs by name; they inherit sys.path

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import pipecheck as pc
-from pipecheck._numerics import compare
+from pipecheck._check.numerics import compare
 
 INF, NAN = float("inf"), float("nan")
 EAGER = torch.tensor([0.0, -INF, 1.0])  # e.g. a causal mask, or masked logits
@@ -70,7 +70,7 @@ class ComplexPhase(nn.Module):
 
 
 def imaginary_part_of_a_grad_dropped(job: pc.Job) -> pc.StepResult:
-    from pipecheck._runners import run_reference
+    from pipecheck._runners.base import run_reference
 
     result = run_reference(job)
     result.grads["phase"] = result.grads["phase"].real.to(torch.complex64)
@@ -105,7 +105,7 @@ class ComplexOutput(nn.Module):
 
 
 def spectrum_conjugated(job: pc.Job) -> pc.StepResult:
-    from pipecheck._runners import run_reference
+    from pipecheck._runners.base import run_reference
 
     result = run_reference(job)
     result.outputs = (result.outputs[0], result.outputs[1].conj())

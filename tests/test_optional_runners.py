@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 import pipecheck as pc
-from pipecheck import _optional_runners, _runners
-from pipecheck._check import resolve_runner
-from pipecheck._cli import main
+from pipecheck._check.equivalence import resolve_runner
+from pipecheck._cli.main import main
+from pipecheck._runners import base as _runners
+from pipecheck._runners import registry as _optional_runners
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_the_zoo_exit_code_counts_only_pipecheck_s_own_runners(capsys: pytest.Ca
 def test_the_cli_names_the_pip_command_for_an_engine_not_installed(
         installed: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str],
         name: str) -> None:
-    from pipecheck import _cli_options
+    from pipecheck._cli import options as _cli_options
 
     installed()
     monkeypatch.setattr(_cli_options, "RUNNERS",

@@ -13,9 +13,9 @@ from mutants.runners import BaseRunner, check
 from pipecheck.fixtures import get
 
 import pipecheck as pc
-from pipecheck._numerics import NEGLIGIBLE, POWER_LIMIT, Row, compare, judge_power, power_of
-from pipecheck._report import percent_ceiling
-from pipecheck._runners import run_reference
+from pipecheck._check.numerics import NEGLIGIBLE, POWER_LIMIT, Row, compare, judge_power, power_of
+from pipecheck._check.report import percent_ceiling
+from pipecheck._runners.base import run_reference
 
 CUT = {"layers.2": pc.SplitPoint.BEGINNING}
 
@@ -158,7 +158,7 @@ def test_a_row_s_power_is_its_bound_over_its_scale() -> None:
 
 
 def test_a_refused_zoo_cell_reads_refused_and_says_why() -> None:
-    from pipecheck._cli_zoo import zoo_cell
+    from pipecheck._cli.zoo import zoo_cell
 
     cell = zoo_cell(lambda: _ill_conditioned("reference"))
     assert cell.outcome == "refused"

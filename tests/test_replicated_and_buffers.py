@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import pipecheck as pc
 from pipecheck import fixtures
-from pipecheck._runners import run_reference
+from pipecheck._runners.base import run_reference
 
 BATCH, WIDTH = 8, 4
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from expecttest import assert_expected_inline
 
-from pipecheck._numerics import Row
-from pipecheck._report import MAX_LINES, Report, format_table, pick_rows
+from pipecheck._check.numerics import Row
+from pipecheck._check.report import MAX_LINES, Report, format_table, pick_rows
 
 TOL = "auto: atol 1.0e-06 rtol 2.4e-07"
 SCALING = ("gradient scaling: gradient is n_microbatches (=4) times too large; each micro-batch's loss must be "

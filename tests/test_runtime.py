@@ -10,7 +10,7 @@ import torch
 from pipecheck.fixtures import ZOO, get
 
 import pipecheck as pc
-from pipecheck._distributed_runner import plan_schedule
+from pipecheck._runners.runtime.driver import plan_schedule
 
 # (schedule, stages_per_rank) that fit a model of n stages on world_size ranks
 LAYOUTS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("gpipe", 2), ("interleaved", 2)]

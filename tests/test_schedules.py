@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from expecttest import assert_expected_inline
 
-from pipecheck._errors import ScheduleError
+from pipecheck.errors import ScheduleError
 from pipecheck.schedules import (
     Action,
     Schedule,

@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 
 import pipecheck as pc
-from pipecheck import _world_spawn
-from pipecheck._errors import WorldStartError
-from pipecheck._world_spawn import UNGUARDED_MAIN_EXIT, refuse_unguarded_main
+from pipecheck._world import spawn as _world_spawn
+from pipecheck._world.spawn import UNGUARDED_MAIN_EXIT, refuse_unguarded_main
+from pipecheck.errors import WorldStartError
 
 HEADER = '''
 import torch

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import pipecheck as pc
 from pipecheck import strategies as pst
-from pipecheck._errors import InputError
+from pipecheck.errors import InputError
 from pipecheck.strategies import InputSpec, LayerSpec, ModelSpec, OutputSpec, PipelineCase
 
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -280,7 +280,7 @@ def test_planted_tied_bug_is_found_shrunk_and_reproduced_by_the_printed_script(
 
     done = run_script(script, tmp_path)
     assert done.returncode != 0
-    assert "pipecheck._errors.EquivalenceError" in done.stderr, done.stderr[-3000:]
+    assert "pipecheck.errors.EquivalenceError" in done.stderr, done.stderr[-3000:]
     assert "tied parameter not synchronised" in done.stderr
 
 

@@ -17,7 +17,7 @@ import torch.fx
 from hypothesis import HealthCheck, find, given, settings
 
 from pipecheck import strategies as pst
-from pipecheck._errors import InputError
+from pipecheck.errors import InputError
 from pipecheck.strategies import InputSpec, LayerSpec, ModelSpec, OutputSpec
 
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

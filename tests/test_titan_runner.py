@@ -19,8 +19,12 @@ import pytest
 from pipecheck.fixtures import get
 
 import pipecheck as pc
-from pipecheck._titan_rank import original_names
-from pipecheck._titan_runner import module_names_per_stage, name_problems, titan_schedule
+from pipecheck._runners.torchtitan.driver import (
+    module_names_per_stage,
+    name_problems,
+    titan_schedule,
+)
+from pipecheck._runners.torchtitan.rank import original_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks unpickle _engine_models by name
 import _engine_models as em  # noqa: E402

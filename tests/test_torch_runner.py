@@ -21,11 +21,11 @@ from _torch_findings import SKIP
 from pipecheck.fixtures import get
 
 import pipecheck as pc
-from pipecheck import _torch_runner
-from pipecheck._cli import main
-from pipecheck._errors import RankError
-from pipecheck._torch_rank import _alias_table, stage_grads
-from pipecheck._torch_runner import policy_module_cuts, torch_message
+from pipecheck._cli.main import main
+from pipecheck._runners.torch_pipelining import driver as _torch_runner
+from pipecheck._runners.torch_pipelining.driver import policy_module_cuts, torch_message
+from pipecheck._runners.torch_pipelining.rank import _alias_table, stage_grads
+from pipecheck.errors import RankError
 
 N_MICROBATCHES = 4
 
@@ -71,7 +71,7 @@ def test_policy_cut_torch_cannot_express_is_an_engine_error() -> None:
 def test_torch_stage_parameter_names_map_back_to_original_fqns() -> None:
     from torch.distributed.pipelining import pipeline
 
-    from pipecheck._torch_rank import _translate_markers
+    from pipecheck._runners.torch_pipelining.rank import _translate_markers
 
     model = get("alias_reuse").factory("markers")()
     names, by_id = _alias_table(model)
@@ -111,7 +111,7 @@ def test_unknown_schedule_is_refused_before_any_rank_runs() -> None:
 
 
 def test_targets_torch_cannot_chunk_travel_as_microbatch_indices() -> None:
-    from pipecheck._torch_rank import (
+    from pipecheck._runners.torch_pipelining.rank import (
         TorchStepError,
         TorchStepSpec,
         _LossOfMicrobatch,
@@ -295,7 +295,7 @@ def test_an_api_missing_on_the_ranks_is_pipecheck_s_adapter_error_not_torch_s(pi
     message = str(caught.value)
     first = message.splitlines()[0]
     assert first.startswith("AttributeError: ") and "ScheduleGoneInThisTorch" in first, first
-    assert "(in pipecheck's adapter for torch.distributed.pipelining, pipecheck/_torch_rank.py:" in first, first
+    assert "(in pipecheck's adapter for torch.distributed.pipelining, pipecheck/_runners/torch_pipelining/rank.py:" in first, first
     assert "This is pipecheck's error, not a finding about torch.distributed.pipelining" in message
     assert f"this is torch {torch.__version__}, one of them" in message and "this is pipecheck's bug" in message
     assert not isinstance(caught.value, pc.EngineError)
@@ -314,8 +314,8 @@ def test_torch_s_own_failure_and_the_user_s_are_not_pipecheck_s() -> None:
     model's code, not a user's object that lacks an attribute, not a job the ranks cannot import."""
     import pickle
 
-    from pipecheck._torch_rank import stage_grads
-    from pipecheck._worker import RankContext, run_call
+    from pipecheck._runners.torch_pipelining.rank import stage_grads
+    from pipecheck._world.worker import RankContext, run_call
 
     def in_pipecheck(call: Any, error: type[BaseException]) -> bool:
         with pytest.raises(error) as caught:
@@ -341,7 +341,7 @@ def test_torch_s_own_failure_and_the_user_s_are_not_pipecheck_s() -> None:
 def _world_jobs_pid_task() -> Any:
     from _world_jobs import pid
 
-    from pipecheck._worker import TaskCall
+    from pipecheck._world.worker import TaskCall
 
     return TaskCall(pid, (), {})
 

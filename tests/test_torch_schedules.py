@@ -22,8 +22,8 @@ from _torch_findings import SKIP
 from pipecheck.fixtures import get
 
 import pipecheck as pc
-from pipecheck._torch_runner import plan_torch_step
-from pipecheck._torch_schedules import ALIASES, TORCH_SCHEDULES, torch_layout, v_warmup_patch
+from pipecheck._runners.torch_pipelining.driver import plan_torch_step
+from pipecheck._schedule.torch_classes import ALIASES, TORCH_SCHEDULES, torch_layout, v_warmup_patch
 
 N_MICROBATCHES = 4
 

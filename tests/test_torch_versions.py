@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipecheck._torch_versions import TESTED_TORCH, at_least, minor
-from pipecheck._torch_versions import tested_note as note_on  # named so pytest does not collect it
+from pipecheck._core.torch_versions import TESTED_TORCH, at_least, minor
+from pipecheck._core.torch_versions import (
+    tested_note as note_on,  # named so pytest does not collect it
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,10 +13,10 @@ import torch.nn as nn
 from pipecheck.fixtures import get
 
 import pipecheck as pc
-from pipecheck._inputs import prepare_inputs
-from pipecheck._job import Job
-from pipecheck._runners import run_reference
-from pipecheck._truth64 import PERTURBATION, _grouped_mm64, float64_truth
+from pipecheck._check.truth64 import PERTURBATION, _grouped_mm64, float64_truth
+from pipecheck._runners.base import run_reference
+from pipecheck._runners.job import Job
+from pipecheck._split.inputs import prepare_inputs
 from pipecheck.losses import projection_loss
 
 
@@ -292,8 +292,8 @@ def test_float64_mixed_with_a_tensor_the_model_makes_is_named_as_such() -> None:
 
 
 def test_higher_order_ops_pass_through_the_truth_s_and_the_probe_s_dispatch_modes() -> None:
-    from pipecheck._eager import _Draws
-    from pipecheck._truth64 import Float64Ops
+    from pipecheck._check.eager import _Draws
+    from pipecheck._check.truth64 import Float64Ops
 
     x = torch.randn(3, dtype=torch.float64)
     for mode in (Float64Ops(), _Draws()):
@@ -312,7 +312,7 @@ def test_a_complex_value_of_a_float64_check_carries_its_rounding_too() -> None:
 
 
 def test_the_cast_and_back_leaves_parameters_and_their_gradients_the_very_objects_they_were() -> None:
-    from pipecheck._eager import in_dtype
+    from pipecheck._check.eager import in_dtype
 
     model = nn.Linear(4, 4)
     model(torch.randn(2, 4)).sum().backward()

@@ -1,4 +1,4 @@
-"""Tests of pipecheck._world: running jobs on every rank, faults, restarts, cleanup."""
+"""Tests of pipecheck._world.world: running jobs on every rank, faults, restarts, cleanup."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipecheck._errors import (
+from pipecheck._world.tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
+from pipecheck._world.world import World
+from pipecheck.errors import (
     RankDiedError,
     RankFailedError,
     RankTimeoutError,
@@ -24,8 +26,6 @@ from pipecheck._errors import (
     WorldError,
     WorldStartError,
 )
-from pipecheck._world import World
-from pipecheck._world_tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
 
 # Spawned ranks unpickle jobs by module name; they inherit this sys.path, so
 # `_world_jobs` imports there too, whatever pytest's import mode.
@@ -288,8 +288,8 @@ def test_killed_drivers_tmpdirs_are_swept_by_the_next_world() -> None:
 DRIVER_SCRIPT = """
 import sys, threading, time
 import _world_jobs as jobs
-from pipecheck._world import World
-from pipecheck._world_tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
+from pipecheck._world.world import World
+from pipecheck._world.tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
 
 def start(holder):
     holder["world"] = World(2, timeout=60, start_timeout=60)
@@ -331,9 +331,9 @@ def test_killed_driver_leaves_no_orphan_ranks(tmp_path: Path, started_from: str)
 
 TORCHRUN_SCRIPT = """
 import os
-from pipecheck._errors import RankFailedError
-from pipecheck._world import World
-from pipecheck._world_tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
+from pipecheck.errors import RankFailedError
+from pipecheck._world.world import World
+from pipecheck._world.tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
 import _world_jobs as jobs
 
 world = World.from_env(timeout=60)

@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 import pipecheck as pc
-from pipecheck._comm import Links, layout_of
-from pipecheck._errors import RankDiedError
-from pipecheck._worker import process_gone
-from pipecheck._world_tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
+from pipecheck._runtime.comm import Links, layout_of
+from pipecheck._world.tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
+from pipecheck._world.worker import process_gone
+from pipecheck.errors import RankDiedError
 
 CPU = torch.device("cpu")
 
@@ -207,12 +207,12 @@ def test_an_engine_hang_names_the_rank_that_hung_not_one_waiting_for_it() -> Non
 
 
 def test_the_hung_rank_is_the_one_whose_main_thread_is_not_in_torch_distributed() -> None:
-    from pipecheck._errors import RankTimeoutError
-    from pipecheck._runners import hung_rank
+    from pipecheck._runners.base import hung_rank
+    from pipecheck.errors import RankTimeoutError
 
     sep = os.sep
     waiting = ("Thread 0x01 (most recent call first):\n  <no Python frame>\n"
-               "Thread 0x02 (most recent call first):\n  File \"/x/pipecheck/_worker.py\", line 9 in _exit_when_orphaned\n"
+               "Thread 0x02 (most recent call first):\n  File \"/x/pipecheck/_world/worker.py\", line 9 in _exit_when_orphaned\n"
                f"Current thread 0x03 (most recent call first):\n  File \"/x/torch{sep}distributed{sep}distributed_c10d.py\""
                ", line 1 in recv\n  File \"/x/torch/distributed/pipelining/schedules.py\", line 2 in step\n")
     hung = waiting.replace(f"/x/torch{sep}distributed{sep}distributed_c10d.py\", line 1 in recv",

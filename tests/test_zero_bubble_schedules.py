@@ -9,7 +9,7 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
-from pipecheck._errors import ScheduleError
+from pipecheck.errors import ScheduleError
 from pipecheck.schedules import (
     Action,
     Schedule,

@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecheck._check import assert_equivalent
-from pipecheck._deepspeed_runner import DeepSpeedLayersRunner, build_layer_list
-from pipecheck._numerics import ToleranceLike
-from pipecheck._report import Report
+from pipecheck._check.equivalence import assert_equivalent
+from pipecheck._check.numerics import ToleranceLike
+from pipecheck._check.report import Report
+from pipecheck._runners.deepspeed.driver import DeepSpeedLayersRunner, build_layer_list
 from pipecheck.losses import LossFn
 
 if TYPE_CHECKING:
-    from pipecheck._world import World
+    from pipecheck._world.world import World
 
 __all__ = ["check"]
 

@@ -23,15 +23,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pipecheck._check import assert_equivalent
-from pipecheck._markers import SplitPoint
-from pipecheck._numerics import ToleranceLike
-from pipecheck._report import Report
-from pipecheck._titan_runner import TorchtitanRunner
+from pipecheck._check.equivalence import assert_equivalent
+from pipecheck._check.numerics import ToleranceLike
+from pipecheck._check.report import Report
+from pipecheck._runners.torchtitan.driver import TorchtitanRunner
+from pipecheck._split.markers import SplitPoint
 from pipecheck.losses import LossFn
 
 if TYPE_CHECKING:
-    from pipecheck._world import World
+    from pipecheck._world.world import World
 
 __all__ = ["check"]
 

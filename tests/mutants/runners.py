@@ -27,10 +27,8 @@ from pipecheck.fixtures import ZOO, get
 
 import pipecheck as pc
 from pipecheck import Job, StepResult
-from pipecheck._microbatch import merge_microbatches, split_microbatches
-from pipecheck._pipe import Pipe, Source, Stage
-from pipecheck._reference import sum_stage_grads
-from pipecheck._stage_step import (
+from pipecheck._runtime.reference import sum_stage_grads
+from pipecheck._runtime.stage_step import (
     LeafGrads,
     StageForward,
     add_leaf_grads,
@@ -38,6 +36,8 @@ from pipecheck._stage_step import (
     stage_backward,
     stage_forward,
 )
+from pipecheck._split.microbatch import merge_microbatches, split_microbatches
+from pipecheck._split.pipe import Pipe, Source, Stage
 from pipecheck.losses import check_scalar_loss, default_microbatch_target, projection_loss
 
 ALL = tuple(entry.name for entry in ZOO)

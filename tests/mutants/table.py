@@ -19,7 +19,7 @@ import warnings
 import torch
 
 import pipecheck as pc
-from pipecheck._report import format_plain_table
+from pipecheck._check.report import format_plain_table
 
 from .runners import ALL, MUTANTS, BaseRunner, check
 

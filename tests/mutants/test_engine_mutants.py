@@ -20,8 +20,12 @@ import pytest
 from pipecheck.fixtures import get
 
 import pipecheck as pc
-from pipecheck._deepspeed_runner import DeepSpeedLayersRunner, DeepSpeedRunner, build_layer_list
-from pipecheck._titan_runner import TorchtitanRunner
+from pipecheck._runners.deepspeed.driver import (
+    DeepSpeedLayersRunner,
+    DeepSpeedRunner,
+    build_layer_list,
+)
+from pipecheck._runners.torchtitan.driver import TorchtitanRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ranks unpickle _engine_models by name
 import _engine_models as em  # noqa: E402

@@ -19,9 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pipecheck._pipe import Stage
-from pipecheck._schedule_sim import simulate
-from pipecheck._stage_step import (
+from pipecheck._runtime.stage_step import (
     PendingWeights,
     StageForward,
     add_leaf_grads,
@@ -29,6 +27,8 @@ from pipecheck._stage_step import (
     stage_backward_weight,
     trainable_params,
 )
+from pipecheck._schedule.sim import simulate
+from pipecheck._split.pipe import Stage
 from pipecheck.schedules import Action, make_schedule
 
 from .runners import FIRST_GRAD, STAGE_1_PARAM, BaseRunner, _merge_input_grads

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pipecheck._errors import InputError
+from pipecheck.errors import InputError
 from pipecheck.strategies._internal import layers
 from pipecheck.strategies._internal.description import LayerSpec, ModelSpec, X
 

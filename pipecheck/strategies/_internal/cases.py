@@ -23,11 +23,11 @@ import torch
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from pipecheck._errors import PipecheckError, WorldStartError
-from pipecheck._markers import SplitPoint
-from pipecheck._microbatch import Replicated
-from pipecheck._report import Report
-from pipecheck._runners import BUILTIN
+from pipecheck._check.report import Report
+from pipecheck._runners.base import BUILTIN
+from pipecheck._split.markers import SplitPoint
+from pipecheck._split.microbatch import Replicated
+from pipecheck.errors import PipecheckError, WorldStartError
 from pipecheck.schedules import SCHEDULE_NAMES, stages_per_rank_of
 from pipecheck.strategies._internal import repro as _repro
 from pipecheck.strategies._internal.builder import build, make_inputs
@@ -116,7 +116,7 @@ class PipelineCase:
 
         E.g. ``case.run("distributed", world=world)``.
         """
-        from pipecheck._check import assert_equivalent
+        from pipecheck._check.equivalence import assert_equivalent
 
         args, tensors = make_inputs(self.spec)
         kwargs: dict[str, Any] = {name: Replicated(value) if self.spec.input(name).role == "replicated" else value

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from pipecheck._errors import InputError
-from pipecheck._markers import SplitPoint
+from pipecheck._split.markers import SplitPoint
+from pipecheck.errors import InputError
 from pipecheck.strategies._internal.description import ModelSpec, X
 
 CUT_KINDS = ("first", "last", "output", "tied", "skip", "input")

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from pipecheck._errors import InputError
+from pipecheck.errors import InputError
 
 X = -1
 """The value number of the main positional input ``x``."""

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from hypothesis import strategies as st
 
-from pipecheck._errors import InputError
+from pipecheck.errors import InputError
 from pipecheck.strategies._internal.description import (
     ACTIVATIONS,
     BUFFER_OPS,

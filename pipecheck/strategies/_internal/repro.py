@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from pipecheck._markers import SplitPoint
-from pipecheck._numerics import Tolerance
+from pipecheck._check.numerics import Tolerance
+from pipecheck._split.markers import SplitPoint
 from pipecheck.strategies._internal.builder import script
 from pipecheck.strategies._internal.description import ModelSpec
 

@@ -1,0 +1,2 @@
+"""The check layer: eager and float64 truths, numerics, comparison, localisation, the report and
+`assert_equivalent`."""

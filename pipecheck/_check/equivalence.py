@@ -1,0 +1,223 @@
+"""``assert_equivalent``: does a pipelined run compute what the eager model computes?
+
+    report = pc.assert_equivalent(model, (x,), split_spec=spec, n_microbatches=4,
+                                  runner="reference")
+
+The model is built once and split once; the inputs are bound, cast and
+copied once. The eager model runs per micro-batch (as a pipeline sees it) in
+the check's dtype, then the same model in float64 as ground truth; the runner
+runs the same job; every output leaf, the loss, every parameter gradient and
+the gradients of inputs that require grad are compared. Raises
+:class:`EquivalenceError` with the failure table, or returns the :class:`Report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from pipecheck._check.compare import compare_all
+from pipecheck._check.eager import (
+    buffers_kept,
+    check_deterministic,
+    check_finite,
+    eager_step,
+    refuse_random,
+    result_dtype,
+)
+from pipecheck._check.localise import ReferenceByMicrobatch, locate, not_located
+from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_tolerance
+from pipecheck._check.report import Report, percent, row_kind
+from pipecheck._check.truth64 import float64_truth
+from pipecheck._core.result import StepResult
+from pipecheck._runners.arguments import check_arguments, plain
+from pipecheck._runners.base import BUILTIN, run_reference
+from pipecheck._runners.job import Job, Runner
+from pipecheck._runners.registry import OPTIONAL
+from pipecheck._split.inputs import prepare_inputs
+from pipecheck._split.model_factory import ModelFactory, refuse_unreproducible, seeded
+from pipecheck._split.pipe import split_module
+from pipecheck._split.trace import check_tracer
+from pipecheck._split.traced import SplitSpec
+from pipecheck._world.spawn import refuse_unguarded_main
+from pipecheck.errors import (
+    EngineError,
+    EquivalenceError,
+    InputError,
+    PipecheckError,
+    PowerError,
+    TraceError,
+    plural,
+)
+from pipecheck.losses import LossFn, projection_loss
+from pipecheck.policies import Policy
+
+if TYPE_CHECKING:
+    from pipecheck._world.world import World
+
+
+def resolve_runner(runner: Any) -> tuple[str, Runner]:
+    """``(name, runner)`` for a built-in runner's name or a user's callable."""
+    if runner == "reference":
+        return "reference", run_reference
+    if isinstance(runner, str) and runner in ("distributed", "torch", *OPTIONAL):
+        refuse_unguarded_main()  # before the eager runs: a rank re-importing an unguarded script stops here
+    if runner == "distributed":
+        from pipecheck._runners.runtime.driver import run_distributed
+
+        return "distributed", run_distributed
+    if runner == "torch":
+        from pipecheck._runners.torch_pipelining.driver import run_torch
+
+        return "torch", run_torch
+    if isinstance(runner, str) and runner in OPTIONAL:
+        return runner, OPTIONAL[runner].load()
+    if callable(runner):
+        return getattr(runner, "__name__", type(runner).__name__), runner
+    raise InputError(f"runner={runner!r} is not known. Fix: use one of {[*BUILTIN, *OPTIONAL]} or a callable "
+                     "runner(job: pc.Job) -> pc.StepResult.")
+
+
+def assert_equivalent(
+    model: nn.Module | Any, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
+    split_spec: SplitSpec | None = None, policy: Policy | None = None, loss_fn: LossFn | None = None,
+    target: Any = None, n_microbatches: int = 1, schedule: str = "1f1b", world_size: int | None = None,
+    runner: Any = "distributed", device: str | None = None, dtype: torch.dtype | None = None,
+    tolerance: ToleranceLike = "auto", check_grads: bool = True, seed: int = 0, tracer: str = "auto",
+    stages_per_rank: int = 1, timeout: float | None = None, world: World | None = None,
+    trace_path: str | None = None,
+) -> Report:
+    """Check that ``runner`` computes the eager model's outputs, loss and gradients.
+
+        pc.assert_equivalent(model, (x,), split_spec={"layers.2": pc.SplitPoint.BEGINNING},
+                             n_microbatches=4, runner="reference")
+
+    ``world`` runs a distributed runner on that World (default: a shared one of
+    ``world_size`` ranks); ``trace_path`` writes its timeline. Raises
+    :class:`pipecheck.EquivalenceError` (an AssertionError) with a table naming
+    every failing tensor, or returns the :class:`pipecheck.Report`.
+    """
+    tolerance = check_tolerance(tolerance)
+    check_tracer(tracer)
+    check_arguments("assert_equivalent", model=model, args=args, kwargs=kwargs, split_spec=split_spec,
+                    policy=policy, loss_fn=loss_fn, target=target, n_microbatches=n_microbatches,
+                    world_size=world_size, stages_per_rank=stages_per_rank, seed=seed, check_grads=check_grads,
+                    timeout=timeout, world=world, trace_path=trace_path)
+    n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout = map(
+        plain, (n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout))
+    runner_name, run = resolve_runner(runner)
+    with _ONE_CHECK_AT_A_TIME:
+        return _check(model, args, kwargs, split_spec, policy, loss_fn, target, n_microbatches, schedule,
+                      world_size, runner_name, run, device, dtype, tolerance, check_grads, seed, tracer,
+                      stages_per_rank, timeout, world, trace_path)
+
+
+# One check at a time per process: a check seeds and restores torch's global RNG around its eager
+# runs, and two threads doing so at once draw from each other's streams (measured: 6 of 50
+# reference checks in two threads failed, blaming the model).
+_ONE_CHECK_AT_A_TIME = threading.RLock()
+
+
+def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: SplitSpec | None,
+           policy: Policy | None, loss_fn: LossFn | None, target: Any, n_microbatches: int, schedule: str,
+           world_size: int | None, runner_name: str, run: Runner, device: str | None, dtype: torch.dtype | None,
+           tolerance: ToleranceLike, check_grads: bool, seed: int, tracer: str, stages_per_rank: int,
+           timeout: float | None, world: World | None, trace_path: str | None) -> Report:
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+
+    @contextmanager
+    def clock(phase: str) -> Iterator[None]:
+        begun = time.perf_counter()
+        try:
+            yield
+        finally:
+            timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - begun
+
+    factory = ModelFactory(model, dtype=dtype, device=device, seed=seed)
+    with clock("build_s"):
+        built = factory()
+        inputs = prepare_inputs(built, args, kwargs, target, dtype=dtype, device=device)
+    with clock("split_s"):  # the stages share the built model's parameters: no second copy
+        try:
+            pipe = split_module(built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy,
+                                tracer=tracer)
+        except TraceError:  # a random model (its own Generator: torch < 2.13 cannot trace one) is refused
+            refuse_random(built, inputs, n_microbatches, seed)  # as random, the reason that matters
+            raise
+    initial_buffers = {name: b.detach().clone() for name, b in built.named_buffers()}
+    with clock("eager_s"), seeded(seed), buffers_kept(built):  # the user's RNG: untouched
+        eager, target_used = eager_step(built, inputs, loss_fn, n_microbatches, check_grads)
+    inputs = inputs.unspoiled()
+    with clock("probe_s"):  # two forwards of one micro-batch
+        check_deterministic(built, inputs, n_microbatches, seed)
+    with clock("fp64_s"):  # built as it was after
+        ref64 = float64_truth(built, inputs, loss_fn or projection_loss, target_used, n_microbatches, check_grads,
+                              seed, result_dtype(eager))
+    del built
+    check_finite(eager)
+
+    inputs = inputs.unspoiled()
+    job = Job(model=factory, args=inputs.args, kwargs=inputs.kwargs, split_spec=split_spec, policy=policy,
+              tracer=tracer, loss_fn=loss_fn or projection_loss, target=target_used,
+              n_microbatches=n_microbatches, schedule=schedule, world_size=world_size,
+              stages_per_rank=stages_per_rank, device=str(device or "cpu"), timeout=timeout, world=world,
+              trace_path=trace_path, pipe=pipe)
+    with clock("runner_s"):
+        result = _run(run, runner_name, dataclasses.replace(job, kwargs=dict(job.kwargs)))
+    clean = inputs.unspoiled()  # hints re-run the reference: never on inputs the runner wrote into
+    job = dataclasses.replace(job, args=clean.args, kwargs=clean.kwargs)
+    reference = ReferenceByMicrobatch(job)  # run only on failure, by the hints and the locating step
+    with clock("compare_s"):
+        rows, hints, notes = compare_all(pipe, job, result, eager, ref64, tolerance, check_grads, initial_buffers,
+                                         reference)
+    timings["total_s"] = time.perf_counter() - started
+    report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
+                    str(result_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings,
+                    notes, pipe.tracer)
+    if tolerance == "auto" and report.blind:  # rows that pass whatever the runner did there
+        if report.ok:
+            raise PowerError(report.power_text(), report)
+        report.notes.append(f"{plural(len(report.blind), 'tensor')} could hide an error of {percent(POWER_LIMIT)} "
+                            f"or more ({report.dtype} eager is itself far from float64 there): their passing rows "
+                            "certify nothing; err.report.blind lists them, dtype=torch.float64 checks them")
+    if not report.ok:
+        # a factory that builds other weights on each call: no runner can match, whatever the table says
+        refuse_unreproducible(factory, f"{len(report.failures)} of {len(report.rows)} tensors failed")
+        with clock("locate_s"):
+            try:
+                report.first_divergence, report.located = locate(
+                    lambda: dataclasses.replace(job, **_fresh(inputs)), run, runner_name,
+                    {row_kind(row.name) for row in report.failures}, reference)
+            except Exception as err:  # a diagnosis that fails (out of memory) never hides the verdict
+                report.located = not_located("locating it failed", err)
+        report.timings["locate_s"] = timings["locate_s"]
+        raise EquivalenceError(report.failure_text(), report)
+    return report
+
+
+def _fresh(inputs: Any) -> dict[str, Any]:
+    """The job's inputs as the user gave them, copied again (a runner may have written into the last copy)."""
+    clean = inputs.unspoiled()
+    return {"args": clean.args, "kwargs": dict(clean.kwargs)}
+
+
+def _run(run: Runner, runner_name: str, job: Job) -> StepResult:
+    try:
+        result = run(job)
+    except PipecheckError:
+        raise
+    except Exception as err:
+        raise EngineError(f"runner {runner_name!r} failed to run the job: {type(err).__name__}: {err}",
+                          engine=runner_name) from err
+    if not isinstance(result, StepResult):
+        raise EngineError(f"runner {runner_name!r} returned {type(result).__name__}; a runner must return "
+                          "pc.StepResult(outputs, loss, grads).", engine=runner_name)
+    return result

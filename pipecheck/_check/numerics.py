@@ -1,0 +1,278 @@
+"""Compare one tensor of a pipelined run against the eager run, under a tolerance.
+
+    row = compare("grad fc.weight", test, eager, ref64, tolerance=AUTO)
+    row.ok, row.max_abs, row.worst_index, row.n_failing
+
+Tolerance ``"auto"``: an fp64 copy of the eager model is the ground truth. A
+tensor passes when, at every element, its error against fp64 is at most
+``AUTO_MULTIPLE`` times the eager run's own (tensor-wide) error against fp64,
+plus a floor of a few machine epsilons of the dtype, relative to the element
+and to the tensor's scale. ``Tolerance(rtol, atol)`` compares against the eager
+run like ``torch.testing``; ``"exact"`` demands bitwise equality with it.
+
+Every tensor row also knows its power: the smallest error, relative to the
+tensor's largest true value, that its tolerance lets it see (``row.power``).
+Under "auto" an ill-conditioned float32 run (BatchNorm over two values) widens
+the tolerance until a gradient 25% off fits; such a row is ``blind`` (power
+above ``POWER_LIMIT``), and the check does not certify it. A tensor whose true
+value is zero, or negligible beside the largest of its kind and at the level of
+eager's own error of it (a gradient that cancels to zero: float32 cannot
+resolve it at all), has no relative power to speak of and is
+``numerically_zero``, never blind (:func:`judge_power`, over a check's rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipecheck.errors import InputError
+
+AUTO_MULTIPLE = 4.0
+AUTO_FLOOR_EPS = 2.0
+POWER_LIMIT = 0.1  # a row that cannot see an error of 10% of its tensor's scale sees no gross bug
+NEGLIGIBLE = 1e-4  # a tensor whose largest true value is below this fraction of its kind's largest is small
+NOISE_LEVEL = 0.25  # ... and numerically zero when eager is off by this fraction of it or more: eager cannot resolve it
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Explicit tolerance: element passes when ``|test - eager| <= atol + rtol * |eager|``."""
+
+    rtol: float
+    atol: float
+
+    def __post_init__(self) -> None:
+        bad = [f"{name}={value!r}" for name, value in (("rtol", self.rtol), ("atol", self.atol))
+               if isinstance(value, bool) or type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+               or not isinstance(value, numbers.Real)
+               or not 0 <= value < float("inf")]
+        if bad:  # a negative bound fails every element: a correct pipeline would be blamed
+            raise InputError(f"pc.Tolerance({', '.join(bad)}): rtol and atol must be finite numbers >= 0. "
+                             "Fix: e.g. pc.Tolerance(rtol=1e-5, atol=1e-6), or tolerance='auto'.")
+
+    def __str__(self) -> str:
+        return f"rtol {self.rtol:.1e} atol {self.atol:.1e}"
+
+
+ToleranceLike = Tolerance | str
+
+
+def check_tolerance(tolerance: Any) -> ToleranceLike:
+    if isinstance(tolerance, Tolerance) or tolerance in ("auto", "exact"):
+        return tolerance
+    raise InputError(f"tolerance={tolerance!r} is not understood. "
+                     "Fix: use 'auto', 'exact' or pc.Tolerance(rtol=..., atol=...).")
+
+
+@dataclass(frozen=True)
+class Row:
+    """The verdict on one tensor."""
+
+    name: str
+    stages: tuple[int, ...]
+    shape: tuple[int, ...]
+    ok: bool
+    max_abs: float
+    max_rel: float
+    tolerance: str
+    worst_index: tuple[int, ...] | None
+    n_failing: int
+    numel: int
+    note: str = ""  # e.g. "missing", "shape differs", "not a tensor"
+    n_nan: int = 0  # elements where the runner has NaN and the reference a number
+    failing_microbatches: tuple[int, ...] | None = None  # an output's micro-batches that fail (None: not split)
+    # The smallest error, as a fraction of the tensor's largest true (or, under an explicit tolerance,
+    # eager) value, that the tolerance lets this row see; None where no tolerance applies (not a tensor).
+    power: float | None = None
+    scale: float = 0.0  # the tensor's largest true value (under an explicit tolerance: eager's)
+    bound: float = 0.0  # the largest error its tolerance allows anywhere (atol + rtol * scale)
+    eager_off: float | None = None  # under "auto": eager's own error against fp64, as a fraction of the scale
+    blind: bool = False  # set by judge_power: power above POWER_LIMIT on a tensor that is not negligible
+    numerically_zero: bool = False  # set by judge_power: tiny beside the largest of its kind (see there)
+
+
+def _failing_row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], note: str, tol: str) -> Row:
+    return Row(name, stages, shape, False, float("inf"), float("inf"), tol, None, 0, 0, note)
+
+
+def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLike,
+            stages: tuple[int, ...] = (), microbatches: int = 0, truth_error: torch.Tensor | None = None) -> Row:
+    """One row of the report; ``ref64`` is only read under ``"auto"``. With ``microbatches`` > 1 (an
+    output merged from that many equal micro-batch slices along dim 0), a failing row also names the
+    micro-batches whose slice holds a failing element. ``truth_error``: how far ``ref64`` itself may
+    be off, element by element (a truth that ran an op in float32); "auto" adds it to eager's error."""
+    tol_text = "exact" if tolerance == "exact" else str(tolerance)
+    if not isinstance(eager, torch.Tensor):
+        try:
+            ok = not isinstance(test, torch.Tensor) and bool(test == eager)
+        except Exception:  # an object whose == does not give a bool
+            ok = False
+        return Row(name, stages, (), bool(ok), 0.0, 0.0, "equal", None, 0 if ok else 1, 1,
+                   "" if ok else f"value {test!r} != eager {eager!r}")
+    shape = tuple(eager.shape)
+    if test is None:
+        return _failing_row(name, stages, shape, "missing from the runner's result", tol_text)
+    if not isinstance(test, torch.Tensor):
+        return _failing_row(name, stages, shape, f"runner gave {type(test).__name__}, not a tensor", tol_text)
+    if tuple(test.shape) != shape:
+        return _failing_row(name, stages, shape, f"runner's shape {tuple(test.shape)} != eager's {shape}", tol_text)
+    if eager.is_complex() or test.is_complex():  # compared as (real, imaginary) pairs
+        if not (eager.is_complex() and test.is_complex()):
+            return _failing_row(name, stages, shape, f"runner's dtype {test.dtype} != eager's {eager.dtype}", tol_text)
+        real = torch.view_as_real(ref64.detach().resolve_conj()) if isinstance(ref64, torch.Tensor) and ref64.is_complex() else ref64
+        error = (torch.view_as_real(truth_error.resolve_conj()) if isinstance(truth_error, torch.Tensor) and truth_error.is_complex()
+                 else truth_error if isinstance(truth_error, torch.Tensor) and truth_error.shape == (*shape, 2)
+                 else None)  # pipecheck._check.truth64 gives it as (real, imaginary) pairs
+        row = compare(name, torch.view_as_real(test.detach().resolve_conj()),  # a conjugate view: resolved
+                      torch.view_as_real(eager.detach().resolve_conj()), real, tolerance,
+                      stages, truth_error=error)
+        index = row.worst_index[:-1] if row.worst_index is not None else None  # the element, not its part
+        return dataclasses.replace(row, shape=shape, worst_index=index)
+    device = eager.device  # compared where eager's result lives: no copy to the host per tensor
+    test64 = test.detach().to(device=device, dtype=torch.float64)
+    eager64 = eager.detach().to(dtype=torch.float64)
+    if tolerance == "exact":
+        failing = ~((test.detach().to(device) == eager.detach()) | (test64.isnan() & eager64.isnan()))
+        return _row(name, stages, shape, _Diff(test64, eager64), failing, lambda _: "exact", None, microbatches,
+                    _Power(_scale(eager64), 0.0, 0.0, None))
+    if isinstance(tolerance, Tolerance):
+        diff = _Diff(test64, eager64)
+        return _row(name, stages, shape, diff, diff.failing(tolerance.atol, tolerance.rtol), lambda _: tol_text, None,
+                    microbatches, _Power(_scale(eager64), tolerance.atol, tolerance.rtol, None))
+    truth = ref64.detach().to(device=device, dtype=torch.float64)
+    eps = torch.finfo(eager.dtype).eps if eager.is_floating_point() else 0.0
+    rtol = AUTO_FLOOR_EPS * eps
+    finite = torch.isfinite(truth) & torch.isfinite(eager64)  # a -inf mask entry is no measure of error
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    if finite.any():  # a tensor: read back with the row's other numbers, in one transfer
+        eager_err = torch.where(finite, (eager64 - truth).abs(), 0.0).max()
+        if isinstance(truth_error, torch.Tensor) and truth_error.shape == truth.shape:
+            eager_err = eager_err + torch.where(finite, truth_error.to(truth).nan_to_num(), 0.0).max()
+        scale = torch.where(finite, truth.abs(), 0.0).max()
+        atol = AUTO_MULTIPLE * eager_err + AUTO_FLOOR_EPS * eps * scale
+    else:
+        eager_err = scale = atol = zero
+    diff = _Diff(test64, truth)
+    return _row(name, stages, shape, diff, diff.failing(atol, rtol), lambda a: f"auto: atol {a:.1e} rtol {rtol:.1e}",
+                atol, microbatches, _Power(scale, atol, rtol, eager_err))
+
+
+def _scale(values: torch.Tensor) -> torch.Tensor:
+    """The largest finite magnitude (0 for none)."""
+    finite = torch.isfinite(values)
+    return torch.where(finite, values.abs(), 0.0).max() if values.numel() else torch.zeros((), dtype=torch.float64)
+
+
+@dataclass
+class _Power:
+    """What a row's power is computed from (device tensors or numbers, read back with its other numbers):
+    the tensor's largest true magnitude, the bound ``atol + rtol * |value|``, and eager's own error
+    against the truth (None: no truth)."""
+
+    scale: torch.Tensor | float
+    atol: torch.Tensor | float
+    rtol: float
+    eager_error: torch.Tensor | float | None
+
+    def numbers(self, device: torch.device) -> list[torch.Tensor]:
+        """Device scalars, read back with the row's other numbers (a Python number is filled on the
+        device, never copied from the host: no sync per row on a GPU)."""
+        return [v.to(torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+                else torch.full((), float(v), dtype=torch.float64, device=device)
+                for v in (self.scale, self.atol, -1.0 if self.eager_error is None else self.eager_error)]
+
+
+def power_of(scale: float, atol: float, rtol: float) -> float:
+    """The smallest error a row can see, as a fraction of ``scale`` (its largest true value)."""
+    if scale <= 0:
+        return 0.0 if atol <= 0 else float("inf")
+    return atol / scale + rtol
+
+
+def judge_power(rows: list[Row]) -> list[Row]:
+    """``rows`` with ``blind`` and ``numerically_zero`` set. A row is numerically zero when its true value
+    is exactly zero, or when it is below NEGLIGIBLE of the largest value of its kind (gradients with
+    gradients, outputs with outputs; the loss with the outputs) while eager is off by NOISE_LEVEL of it
+    or more (eager cannot resolve it: a sum that cancels). A buffer never is (a mask buffer's huge fill
+    value would excuse its neighbours). A row is blind when it is not numerically zero and its power is
+    above POWER_LIMIT."""
+    from pipecheck._check.report import row_kind
+
+    largest: dict[str, float] = {}
+    for row in rows:
+        kind = row_kind(row.name)
+        largest[kind] = max(largest.get(kind, 0.0), row.scale)
+    largest["loss"] = max(largest.get("loss", 0.0), largest.get("outputs", 0.0))
+    judged = []
+    for row in rows:
+        if row.power is None or not row.numel:
+            judged.append(row)
+            continue
+        kind = row_kind(row.name)
+        zero = row.scale == 0 or (kind != "buffers" and row.scale < NEGLIGIBLE * largest[kind]
+                                  and row.eager_off is not None and row.eager_off >= NOISE_LEVEL)
+        judged.append(dataclasses.replace(row, numerically_zero=zero,
+                                          blind=row.power > POWER_LIMIT and not zero))
+    return judged
+
+
+class _Diff:
+    """``|test - ref|`` elementwise, computed once for a row's verdict and its numbers: 0 where the
+    two hold the very same value (equal numbers and infinities, or both NaN), inf where only one is NaN."""
+
+    def __init__(self, test: torch.Tensor, ref: torch.Tensor) -> None:
+        self.ref_abs = ref.abs()
+        self.ref_finite = torch.isfinite(ref)
+        self.same = (test == ref) | (test.isnan() & ref.isnan())
+        diff = (test - ref).abs().masked_fill_(self.same, 0.0)
+        self.nan = diff.isnan()  # one side NaN: never within any bound
+        self.test_nan = self.nan & test.isnan()
+        self.abs = diff.masked_fill_(self.nan, float("inf"))
+
+    def failing(self, atol: float | torch.Tensor, rtol: float) -> torch.Tensor:
+        """Not within ``atol + rtol * |ref|`` where ``ref`` is finite; a non-finite ``ref`` is matched
+        only by the same value, never by an infinite bound."""
+        within = (self.abs <= atol + rtol * self.ref_abs) & ~self.nan
+        return ~(self.same | (self.ref_finite & within))
+
+
+def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff, failing: torch.Tensor,
+         tol: Callable[[float], str], atol: torch.Tensor | None = None, microbatches: int = 0,
+         power: _Power | None = None) -> Row:
+    """The row's numbers, computed where the tensors are and read back in one transfer."""
+    absolute = diff.abs
+    if not absolute.numel():
+        return Row(name, tuple(stages), shape, True, 0.0, 0.0, tol(0.0), None, 0, 0, power=0.0)
+    power = power or _Power(_scale(diff.ref_abs), 0.0, 0.0, None)
+    plain = diff.ref_finite & (diff.ref_abs != 0)  # where a relative error means something
+    rel = torch.where(plain, absolute / torch.where(plain, diff.ref_abs, 1.0),
+                      torch.where(absolute == 0, 0.0, float("inf")))
+    n_failing = failing.sum()
+    worst_failing = torch.argmax(torch.where(failing, absolute, -1.0))
+    numbers = torch.stack([absolute.max(), rel.max(), n_failing.to(torch.float64), worst_failing.to(torch.float64),
+                           torch.argmax(absolute).to(torch.float64),
+                           atol if atol is not None else torch.zeros((), dtype=torch.float64, device=absolute.device),
+                           diff.test_nan.sum().to(torch.float64), *power.numbers(absolute.device)])
+    (max_abs, max_rel, failing_count, flat_failing, flat_any, atol_value, nan_count, scale, atol_bound,
+     eager_error) = numbers.tolist()
+    off = eager_error / scale if eager_error >= 0 and scale > 0 else None
+    flat = flat_failing if failing_count else flat_any
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), absolute.shape)) if absolute.dim() else ()
+    by_microbatch = None
+    if failing_count and microbatches > 1 and failing.dim() and failing.shape[0] % microbatches == 0:
+        per_slice = failing.reshape(microbatches, -1).any(dim=1).tolist()  # only on failure: one more read
+        by_microbatch = tuple(mb for mb, fails in enumerate(per_slice) if fails)
+    return Row(name, tuple(stages), shape, failing_count == 0, max_abs, max_rel, tol(atol_value), index,
+               int(failing_count), absolute.numel(), n_nan=int(nan_count), failing_microbatches=by_microbatch,
+               power=power_of(scale, atol_bound, power.rtol), scale=scale, bound=atol_bound + power.rtol * scale,
+               eager_off=off)
+
+
+def nonfinite(value: torch.Tensor) -> bool:
+    return (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all())

@@ -1,0 +1,35 @@
+"""What a runner returns for one training step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepResult:
+    """One step of a model: merged outputs, the loss, and full gradients by original FQN.
+
+    ``grads`` maps each parameter FQN (as ``model.named_parameters()`` names it)
+    to its full gradient; ``input_grads`` maps model input names to gradients
+    for inputs that require grad.
+    """
+
+    outputs: Any
+    loss: torch.Tensor | None
+    grads: dict[str, torch.Tensor]
+    input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Every buffer by original FQN (as model.named_buffers() names it) after the step; empty: not reported.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    # Optional. The reference runner: each stage's own share of every gradient, before tied sums.
+    stage_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    # Optional: the gradient every replica of a tied parameter ended with, fqn -> stage -> grad.
+    # assert_equivalent checks each replica, not only the one in ``grads``.
+    replica_grads: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    events: list[Any] = field(default_factory=list)  # optional: timeline events (pipecheck._runtime.timeline.Event)
+    # Optional: boundary values, (stage, micro-batch, point, value name) -> host tensor, recorded when
+    # ``job.boundaries`` is set (see pipecheck.Job); a runner on one process need not fill it.
+    boundaries: dict[tuple[int, int, str, str], torch.Tensor] = field(default_factory=dict)

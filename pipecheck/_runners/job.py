@@ -1,0 +1,87 @@
+"""A check's job, as every runner receives it, and the Runner protocol.
+
+    def my_runner(job: pc.Job) -> pc.StepResult:
+        model = job.build_model()            # fresh, seeded, in the job's dtype/device
+        ...                                  # run it through your pipeline engine
+        return pc.StepResult(outputs, loss, grads_by_original_fqn)
+
+    pc.assert_equivalent(model, (x,), runner=my_runner)
+
+A runner is any callable ``runner(job) -> StepResult``. ``job.model`` is a
+picklable zero-argument factory, which is what travels to worker processes.
+``job.pipe`` is the check's own split, for reading its structure;
+``job.split()`` gives a private copy to run.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch.nn as nn
+
+from pipecheck._core.result import StepResult
+from pipecheck._runtime.boundaries import Boundaries, instrument
+from pipecheck._split.pipe import Pipe, split
+from pipecheck.losses import LossFn
+from pipecheck.policies import Policy
+
+if TYPE_CHECKING:
+    from pipecheck._world.world import World
+
+@dataclass
+class Job:
+    """Everything a runner needs for one step of one model.
+
+    ``world`` is a World to run on (None: the runner picks a shared one of
+    ``world_size`` ranks); ``trace_path`` asks for a Chrome-trace timeline.
+    """
+
+    model: Callable[[], nn.Module]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    split_spec: Mapping[str, Any] | None = None
+    policy: Policy | None = None
+    tracer: str = "auto"  # "auto": fx, or export where fx cannot trace
+    loss_fn: LossFn | None = None
+    target: Any = None
+    n_microbatches: int = 1
+    schedule: str | Any = "1f1b"  # a name, or a pipecheck.schedules.Schedule
+    world_size: int | None = None
+    stages_per_rank: int = 1
+    device: str = "cpu"
+    timeout: float | None = None
+    world: World | None = None
+    trace_path: str | None = None
+    pipe: Pipe | None = field(default=None, repr=False)  # the check's split of ``model``, if made
+    # Set when the check re-runs a failing job to find where it diverges: every split() then records its
+    # stage modules' boundary values here (an engine that runs other modules may call boundaries.record).
+    boundaries: Boundaries | None = field(default=None, repr=False)
+
+    def build_model(self) -> nn.Module:
+        return self.model()
+
+    def split(self) -> Pipe:
+        """The job's model cut as the job asks: a private copy, safe to run (running changes buffers).
+        While ``boundaries`` is set, its stage modules record their boundary values there."""
+        if self.pipe is not None:
+            pipe = copy.deepcopy(self.pipe)
+        else:
+            pipe = split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
+                         tracer=self.tracer)
+        if self.boundaries is not None:
+            instrument(pipe, self.boundaries)
+        return pipe
+
+    def structure(self) -> Pipe:
+        """The job's split for reading its stages, edges and tied groups (not for running)."""
+        return self.pipe if self.pipe is not None else self.split()
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """Any callable that runs one training step of ``job`` through a pipeline engine."""
+
+    def __call__(self, job: Job, /) -> StepResult: ...

@@ -1,0 +1,1 @@
+"""torch.distributed.pipelining as a runner: the driver and the rank step."""

@@ -1,0 +1,1 @@
+"""torchtitan's pipeline as a runner: the driver and the rank step."""

@@ -1,0 +1,239 @@
+"""Point-to-point transfer of stage values and their gradients between ranks.
+
+    link = Links(pipe, stage_to_rank, ctx.device, ctx.comm_device)
+    link.send_value(producer, name, consumer, mb, value)    # forward: after F
+    value = link.finish_value(link.post_value(producer, name, consumer, mb))   # before F
+    link.send_grads(...); link.finish_grads(link.post_grads(...))              # backward, the other way
+
+Every message has its own tag (channel, micro-batch, direction, leaf), so
+messages never match the wrong receive whatever order ranks run in. A value's
+layout (pytree structure, shapes, dtypes, requires_grad, non-tensor leaves) is
+sent on the channel's first use (pickled, with an HMAC tag under the World's
+key, checked before it is unpickled) and cached on both sides (for the life of the
+Links, so repeated steps skip it); again with every micro-batch only when the
+value holds non-tensor leaves. Once a layout is known, the receives of a later
+action can be posted ahead of time (``post_value`` / ``post_grads``) and
+waited on when the action runs (``finish_value`` / ``finish_grads``). Gradients need no
+layout: the producer knows its own outputs' shapes, and every leaf that
+requires grad gets a tensor (zeros where the consumer produced none).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from pipecheck._runtime.stage_step import LeafGrads
+from pipecheck._split.pipe import Pipe
+from pipecheck.errors import EngineError
+
+_TAG_BYTES = 32  # HMAC-SHA256 of a layout's pickle, before it
+LEAF_SLOTS = 64  # tags reserved per message: 0 = layout size, 1 = layout bytes, 2.. = tensor leaves
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How to rebuild a value from its received tensor leaves."""
+
+    spec: str  # pytree.treespec_dumps: pickling a TreeSpec itself is deprecated
+    leaves: tuple[Any, ...]  # (shape, dtype, requires_grad) for tensors, else the value itself
+    is_tensor: tuple[bool, ...]
+
+    @property
+    def resend(self) -> bool:
+        return not all(self.is_tensor)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec(text: str) -> pytree.TreeSpec:
+    """Decoded once per distinct structure, not once per received micro-batch."""
+    return pytree.treespec_loads(text)
+
+
+def layout_of(value: Any) -> Layout:
+    leaves, spec = pytree.tree_flatten(value)
+    described = tuple((tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else v
+                      for v in leaves)
+    return Layout(pytree.treespec_dumps(spec), described, tuple(isinstance(v, torch.Tensor) for v in leaves))
+
+
+Channel = tuple[int, str, int]  # (producer stage, value name, consumer stage): one value to one consumer
+
+
+@dataclass
+class Posted:
+    """Receives posted for one value (or one value's gradient), not yet waited on."""
+
+    layout: Layout | None = None
+    value: Any = None  # for gradients: the output whose gradient is coming
+    works: list[Any] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+
+class Links:
+    """The p2p channels of one rank, for one step."""
+
+    def __init__(self, pipe: Pipe, stage_to_rank: tuple[int, ...], device: torch.device,
+                 comm_device: torch.device, secret: bytes = b"") -> None:
+        self.stage_to_rank = stage_to_rank
+        self.secret = secret  # the World's key (a torchrun job's ranks share none: integrity only)
+        self.device = device
+        self.comm_device = comm_device
+        channels = sorted({(e.src, e.name, e.dst) for e in pipe.edges if e.src is not None},
+                          key=lambda c: (c[0], c[2], c[1]))
+        self.channel_ids = {channel: i for i, channel in enumerate(channels)}
+        self.layouts: dict[int, Layout] = {}  # received, by channel id; kept across steps
+        self.sent_layouts: dict[int, Layout] = {}
+        self.pending: list[Any] = []
+
+    def signed(self, blob: bytes) -> bytes:
+        return hmac.new(self.secret, blob, hashlib.sha256).digest() + blob
+
+    def verified(self, payload: bytes, channel: Channel, src: int) -> bytes:
+        """The pickle in ``payload`` if its tag is this World's, checked before anything is unpickled:
+        a process outside the World that connects to a rank's port cannot make it run code."""
+        tag, blob = payload[:_TAG_BYTES], payload[_TAG_BYTES:]
+        if not hmac.compare_digest(tag, hmac.new(self.secret, blob, hashlib.sha256).digest()):
+            producer, name, consumer = channel
+            raise EngineError(
+                f"the layout of value {name!r} (stage {producer} to stage {consumer}), received from rank {src}, "
+                "failed authentication: it was not sent by a rank of this World, and was not unpickled. Another "
+                "process reached this rank's port. Fix: run pipecheck where other users cannot connect to its "
+                "ranks' ports, or find the process that did."
+            )
+        return blob
+
+    def _tag(self, channel: Channel, mb: int, backward: bool, slot: int) -> int:
+        cid = self.channel_ids[channel]
+        return ((mb * len(self.channel_ids) + cid) * 2 + int(backward)) * LEAF_SLOTS + slot
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self.pending.append(dist.isend(tensor.detach().to(self.comm_device).contiguous(), dst, tag=tag))
+
+    def _irecv(self, posted: Posted, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> None:
+        buffer = torch.empty(shape, dtype=dtype, device=self.comm_device)
+        posted.works.append(dist.irecv(buffer, src, tag=tag))
+        posted.buffers.append(buffer)
+
+    def _needs_layout(self, cid: int, known: dict[int, Layout]) -> bool:
+        """A layout travels on a channel's first use, and every time if the value has non-tensor leaves."""
+        return cid not in known or known[cid].resend
+
+    def send_value(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> None:
+        channel = (producer, name, consumer)
+        dst = self.stage_to_rank[consumer]
+        tensors = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+        if len(tensors) > LEAF_SLOTS - 2:
+            raise EngineError(f"value {name!r} of stage {producer} has {len(tensors)} tensors; "
+                              f"at most {LEAF_SLOTS - 2} can cross a stage boundary as one value.")
+        cid = self.channel_ids[channel]
+        if not self._needs_layout(cid, self.sent_layouts):
+            self._check_layout(self.sent_layouts[cid], value, channel, mb)
+        else:
+            layout = layout_of(value)
+            self.sent_layouts[cid] = layout
+            payload = torch.frombuffer(bytearray(self.signed(pickle.dumps(layout))), dtype=torch.uint8)
+            self._isend(torch.tensor([payload.numel()], dtype=torch.int64), dst, self._tag(channel, mb, False, 0))
+            self._isend(payload, dst, self._tag(channel, mb, False, 1))
+        for i, tensor in enumerate(tensors):
+            self._isend(tensor, dst, self._tag(channel, mb, False, 2 + i))
+
+    @staticmethod
+    def _check_layout(sent: Layout, value: Any, channel: Channel, mb: int) -> None:
+        """The receiver allocates from the cached layout: a value whose shape changes between
+        micro-batches (data-dependent shapes) must fail here, clearly, not corrupt its buffers."""
+        leaves = pytree.tree_leaves(value)
+        if len(leaves) == len(sent.leaves) and all(
+                (tuple(v.shape), v.dtype, v.requires_grad) == described if is_tensor else v == described
+                for v, described, is_tensor in zip(leaves, sent.leaves, sent.is_tensor)):
+            return  # the common case, without re-serialising the structure
+        now = layout_of(value)
+        if now.leaves != sent.leaves or now.spec != sent.spec:
+            producer, name, consumer = channel
+            shapes = [leaf[0] for leaf, is_tensor in zip(now.leaves, now.is_tensor) if is_tensor]
+            before = [leaf[0] for leaf, is_tensor in zip(sent.leaves, sent.is_tensor) if is_tensor]
+            raise EngineError(
+                f"value {name!r} sent from stage {producer} to stage {consumer} changed its layout at "
+                f"micro-batch {mb}: shapes {shapes}, earlier {before}. pipecheck's runtime needs each value "
+                "that crosses a stage boundary to keep its shapes and dtypes across micro-batches. Fix: cut "
+                "where values have a fixed shape (not after a data-dependent filter), or use n_microbatches=1."
+            )
+
+    def can_post_value(self, producer: int, name: str, consumer: int) -> bool:
+        """True when the value's layout is known, so its receives can be posted ahead of time."""
+        return not self._needs_layout(self.channel_ids[(producer, name, consumer)], self.layouts)
+
+    def post_value(self, producer: int, name: str, consumer: int, mb: int) -> Posted:
+        """Post the receives of one value (blocking only for a layout it has not seen yet)."""
+        channel = (producer, name, consumer)
+        src = self.stage_to_rank[producer]
+        cid = self.channel_ids[channel]
+        if self._needs_layout(cid, self.layouts):
+            size = torch.empty((1,), dtype=torch.int64, device=self.comm_device)
+            dist.recv(size, src, tag=self._tag(channel, mb, False, 0))
+            payload = torch.empty((int(size.item()),), dtype=torch.uint8, device=self.comm_device)
+            dist.recv(payload, src, tag=self._tag(channel, mb, False, 1))
+            self.layouts[cid] = pickle.loads(self.verified(bytes(payload.cpu().tolist()), channel, src))
+        layout = self.layouts[cid]
+        posted = Posted(layout=layout)
+        slot = 2
+        for described, is_tensor in zip(layout.leaves, layout.is_tensor):
+            if is_tensor:
+                shape, dtype, _ = described
+                self._irecv(posted, shape, dtype, src, self._tag(channel, mb, False, slot))
+                slot += 1
+        return posted
+
+    def finish_value(self, posted: Posted) -> Any:
+        layout = posted.layout
+        assert layout is not None
+        received = iter(self._wait(posted))
+        leaves = [next(received).requires_grad_(described[2]) if is_tensor else described
+                  for described, is_tensor in zip(layout.leaves, layout.is_tensor)]
+        return pytree.tree_unflatten(leaves, _spec(layout.spec))
+
+    def send_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any, grads: LeafGrads) -> None:
+        """Send the gradient of every leaf of ``value`` (this stage's input) that requires grad."""
+        channel = (producer, name, consumer)
+        dst = self.stage_to_rank[producer]
+        slot = 2
+        for leaf, grad in zip(pytree.tree_leaves(value), grads):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                self._isend(grad if grad is not None else torch.zeros_like(leaf), dst,
+                            self._tag(channel, mb, True, slot))
+                slot += 1
+
+    def post_grads(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> Posted:
+        """Post the receives of the gradient of ``value`` (this stage's output) from ``consumer``."""
+        channel = (producer, name, consumer)
+        src = self.stage_to_rank[consumer]
+        posted = Posted(value=value)
+        slot = 2
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                self._irecv(posted, tuple(leaf.shape), leaf.dtype, src, self._tag(channel, mb, True, slot))
+                slot += 1
+        return posted
+
+    def finish_grads(self, posted: Posted) -> LeafGrads:
+        received = iter(self._wait(posted))
+        return [next(received) if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
+                for leaf in pytree.tree_leaves(posted.value)]
+
+    def _wait(self, posted: Posted) -> list[torch.Tensor]:
+        for work in posted.works:
+            work.wait()
+        return [buffer.to(self.device) for buffer in posted.buffers]
+
+    def wait_sends(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()

@@ -1,0 +1,133 @@
+"""DetachExecutor: run a Pipe stage by stage in one process, exactly as a pipeline would.
+
+    ex = pc.DetachExecutor(pc.split(model, (x,)))
+    res = ex.step((x,), loss_fn=F.mse_loss, target=y, n_microbatches=4)
+    res.outputs, res.loss, res.grads["layers.0.weight"]
+
+Every stage-boundary tensor is detached, so each stage is its own autograd
+graph; backward runs one explicit call per stage in reverse stage order, and
+gradients of skip connections (a value read by several later stages) and of
+tied parameters (one parameter in several stages) are summed explicitly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from pipecheck._core.result import StepResult
+from pipecheck._runtime.stage_step import (
+    InputGradKey,
+    LeafGrads,
+    StageForward,
+    add_leaf_grads,
+    add_param_grads,
+    merge_input_grads,
+    stage_backward,
+    stage_forward,
+)
+from pipecheck._split.inputs import as_args
+from pipecheck._split.microbatch import merge_microbatches, replicated_names, split_microbatches
+from pipecheck._split.pipe import Pipe
+from pipecheck.losses import LossFn, MicrobatchLoss
+
+
+def sum_stage_grads(per_stage: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full gradients: a tied parameter's replicas are summed in stage order."""
+    total: dict[str, torch.Tensor] = {}
+    for grads in per_stage:
+        add_param_grads(total, dict(grads))
+    return total
+
+
+class DetachExecutor:
+    """Single-process reference runner of a :class:`pipecheck.Pipe`."""
+
+    def __init__(self, pipe: Pipe, *, drop_gradients: Iterable[tuple[int, str, int]] = ()) -> None:
+        """``drop_gradients``: (producer stage, value name, consumer stage) edges whose gradient is
+        discarded instead of sent back — a what-if run, used to recognise that bug in an engine."""
+        self.pipe = pipe
+        self.drop_gradients = frozenset(drop_gradients)
+
+    def forward_microbatch(self, inputs: Mapping[str, Any]) -> list[StageForward]:
+        """All stages' forwards of one micro-batch, in stage order."""
+        produced: dict[tuple[int | None, str], Any] = {(None, k): v for k, v in inputs.items()}
+        forwards = []
+        for stage in self.pipe.stages:
+            fwd = stage_forward(stage, [produced[(src.stage, src.name)] for src in stage.inputs])
+            produced.update(((stage.index, name), value) for name, value in zip(stage.outputs, fwd.outputs))
+            forwards.append(fwd)
+        return forwards
+
+    def backward_microbatch(self, mb: int, forwards: list[StageForward], loss: torch.Tensor, loss_scale: float,
+                            param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]],
+                            input_grads: dict[InputGradKey, LeafGrads]) -> None:
+        """All stages' backwards of micro-batch ``mb``, last stage first; model-input gradients
+        go to ``input_grads`` by (consuming stage, input name, micro-batch)."""
+        pending: dict[tuple[int, str], LeafGrads] = {}
+        for stage in reversed(self.pipe.stages):
+            fwd = forwards[stage.index]
+            last = stage.index == self.pipe.num_stages - 1
+            out_grads = [pending.pop((stage.index, name), None) for name in stage.outputs]
+            in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss if last else None, loss_scale)
+            add_param_grads(param_grads[stage.index], p_grads, owned[stage.index])
+            for src, grads in zip(stage.inputs, in_grads):
+                if src.stage is None:
+                    input_grads[(stage.index, src.name, mb)] = grads
+                elif (src.stage, src.name, stage.index) not in self.drop_gradients:
+                    key = (src.stage, src.name)
+                    pending[key] = add_leaf_grads(pending.get(key), grads)
+
+    def step(self, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
+             loss_fn: LossFn | None = None, target: Any = None, n_microbatches: int = 1) -> StepResult:
+        """One training step; the loss is the mean over micro-batches of ``loss_fn(out_mb, target_mb)``.
+
+        Without ``loss_fn`` the loss is a seeded random projection of every output element.
+        """
+        started = time.perf_counter()
+        bound = self.pipe.bind_inputs(as_args(args), kwargs)
+        inputs = split_microbatches(bound, n_microbatches)
+        loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
+        forwards = [self.forward_microbatch(mb) for mb in inputs]
+        outputs = [pytree.tree_unflatten(list(f[-1].outputs), self.pipe.out_spec) for f in forwards]
+        merged = merge_microbatches([pytree.tree_map(_detached, o) for o in outputs])
+        losses = [loss_of(mb, out) for mb, out in enumerate(outputs)]
+        param_grads: list[dict[str, torch.Tensor]] = [{} for _ in self.pipe.stages]
+        input_grads: dict[InputGradKey, LeafGrads] = {}
+        owned: list[set[str]] = [set() for _ in self.pipe.stages]
+        for mb, (fwd, loss) in enumerate(zip(forwards, losses)):
+            self.backward_microbatch(mb, fwd, loss, 1.0 / n_microbatches, param_grads, owned, input_grads)
+        return StepResult(
+            outputs=merged,
+            loss=torch.stack([loss.detach() for loss in losses]).mean(),
+            grads=sum_stage_grads(param_grads),
+            input_grads=merge_input_grads(input_grads, n_microbatches, replicated_names(bound)),
+            buffers=self.pipe.buffers_after_step(),
+            timings={"step_s": time.perf_counter() - started},
+            stage_grads=param_grads,
+        )
+
+    def microbatch_grads(self, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
+                         loss_fn: LossFn | None = None, target: Any = None, n_microbatches: int = 1
+                         ) -> list[dict[str, torch.Tensor]]:
+        """Each micro-batch's own share of :meth:`step`'s parameter gradients (its loss divided by
+        ``n_microbatches``, as in the step): the shares sum to the step's gradients."""
+        bound = self.pipe.bind_inputs(as_args(args), kwargs)
+        loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
+        shares = []
+        for mb, values in enumerate(split_microbatches(bound, n_microbatches)):
+            forwards = self.forward_microbatch(values)
+            loss = loss_of(mb, pytree.tree_unflatten(list(forwards[-1].outputs), self.pipe.out_spec))
+            param_grads: list[dict[str, torch.Tensor]] = [{} for _ in self.pipe.stages]
+            self.backward_microbatch(mb, forwards, loss, 1.0 / n_microbatches, param_grads,
+                                     [set() for _ in self.pipe.stages], {})
+            shares.append(sum_stage_grads(param_grads))
+        return shares
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,130 @@
+"""How a task's faults read: which rank raised or died, doing what, and what to fix first.
+
+    raise fault_error(faults, still_running, task, world_size, RESTART_NOTE)
+
+A death is reported before the errors it caused; a forkserver killed from outside is named as
+such, not blamed on rank 0.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import signal
+from dataclasses import dataclass
+
+from pipecheck._world.worker import process_gone
+from pipecheck.errors import RankDiedError, RankError, RankFailedError, WorldError
+
+
+def where(stage: int | None, action: str | None) -> str:
+    text = "no stage set" if stage is None else f"stage {stage}"
+    return text + (f" (action {action!r})" if action else "")
+
+
+def indent(text: str) -> str:
+    return "".join("    " + line for line in text.rstrip().splitlines(keepends=True))
+
+
+def exit_status(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "closed its pipe to the driver but did not exit"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} (exit code {exitcode})"
+    return f"exited with code {exitcode} (os._exit(), or a native library calling exit())"
+
+
+def _death_hint(exitcode: int | None) -> str:
+    if exitcode == -signal.SIGKILL:
+        return "A SIGKILL nobody sent is usually the out-of-memory killer (check `dmesg`)."
+    if exitcode in (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT, -signal.SIGFPE):
+        return "This is a crash in native code (a C/C++ extension, CUDA or torch); the faulthandler output shows the Python line that called it."
+    return "Check the rank's stderr above for what it printed before exiting."
+
+
+@dataclass
+class Fault:
+    """One rank that raised (``error`` set) or died (``exitcode``) during a task."""
+
+    rank: int
+    stage: int | None
+    action: str | None
+    error: RankError | None = None
+    exitcode: int | None = None
+    last_words: str = ""  # faulthandler output written as it died
+
+
+_STATUS_UNKNOWN = 255  # what multiprocessing reports for a forkserver child whose forkserver died
+
+
+def dead_forkserver() -> int | None:
+    """The pid of the forkserver that started the ranks, if it has died (None: alive, or none used)."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)  # the module's own single server
+    pid = getattr(server, "_forkserver_pid", None)
+    return pid if isinstance(pid, int) and process_gone(pid) else None
+
+
+def fault_error(
+    faults: list[Fault], still_running: set[int], task: str, world_size: int, recovery: str
+) -> WorldError:
+    # A death is the cause, never a consequence, of the others' errors (a peer's
+    # "Connection closed" may even reach the driver first): report deaths first.
+    ordered = sorted(faults, key=lambda fault: fault.error is not None)
+    first, others = ordered[0], ordered[1:]
+    doing = where(first.stage, first.action)
+    if first.error is not None:
+        lines = [
+            f"rank {first.rank} of {world_size} raised {first.error.summary} while running {doing} of task {task}.",
+            f"Traceback on rank {first.rank}:",
+            indent(first.error.traceback),
+        ]
+    elif first.exitcode == _STATUS_UNKNOWN and (server := dead_forkserver()) is not None:
+        return RankDiedError(
+            f"pipecheck's forkserver (pid {server}), which started the ranks and reports how they exit, is gone "
+            f"(killed from outside?): every rank of {world_size} was stopped with it while running task {task}, "
+            f"and their exit statuses are unknown (multiprocessing reports {_STATUS_UNKNOWN}). No rank is at fault. "
+            f"{recovery} Fix: run again (a new forkserver starts), and leave pipecheck's forkserver process running.",
+            first.rank, first.exitcode, first.stage)
+    else:
+        lines = [
+            f"rank {first.rank} of {world_size} died while running {doing} of task {task}: "
+            f"it {exit_status(first.exitcode)}.",
+            _death_hint(first.exitcode),
+        ]
+        if first.last_words.strip():
+            lines += [f"faulthandler output of rank {first.rank}:", indent(first.last_words)]
+    for fault in others:
+        what = fault.error.summary if fault.error else "it " + exit_status(fault.exitcode)
+        lines.append(
+            f"Then rank {fault.rank} ({where(fault.stage, fault.action)}): {what} (probably a consequence)."
+        )
+    if still_running:
+        ranks = ", ".join(map(str, sorted(still_running)))
+        lines.append(
+            f"Still running when stopped: rank(s) {ranks} (probably waiting for rank {first.rank})."
+        )
+    lines.append(f"{recovery} Fix rank {first.rank}'s problem first.")
+    message = "\n".join(lines)
+    if first.error is not None:
+        return RankFailedError(message, first.error)
+    return RankDiedError(message, first.rank, first.exitcode, first.stage)
+
+
+def idle_death_error(exitcodes: dict[int, int | None], task: str, world_size: int, recovery: str) -> RankDiedError:
+    """Ranks found dead when ``task`` was about to be sent: they died between tasks, not in it."""
+    rank = min(exitcodes)
+    ranks = ", ".join(map(str, sorted(exitcodes)))
+    if exitcodes[rank] == _STATUS_UNKNOWN and (server := dead_forkserver()) is not None:
+        cause = (f"pipecheck's forkserver (pid {server}), which started them, is gone (killed from outside?) "
+                 "and they were stopped with it. No rank is at fault. Leave pipecheck's forkserver process running.")
+    elif exitcodes[rank] is None:  # gone from /proc, its status not yet reported by its parent
+        cause = f"rank {rank} is gone (its exit status was not reported). {_death_hint(None)}"
+    else:
+        cause = f"rank {rank} {exit_status(exitcodes[rank])}. {_death_hint(exitcodes[rank])}"
+    return RankDiedError(
+        f"rank(s) {ranks} of {world_size} died while the World was idle, between tasks: {cause} "
+        f"Task {task} was not sent, so nothing of it ran. {recovery}",
+        rank, exitcodes[rank], None)
