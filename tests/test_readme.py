@@ -1,9 +1,12 @@
-"""The README runs as written: every python block, and the `pipecheck check` lines of its command line.
+"""The README and the guides under docs/ run as written: every python block, and the `pipecheck check`
+lines of the command line (docs/command-line.md).
 
-Each block is written to a fresh directory under the name its first line gives (``# my_model.py``)
-or ``readme_block_N.py``; a block with a ``def test_`` is run by pytest, a ``World.from_env()`` script
-by torchrun on two ranks, any other as a script, each in its own process with a timeout. A ``# pipecheck: ...`` comment in a block is output the block
-promises: it must be printed. No block may leave a warning or a traceback on stderr.
+Every page's blocks are written to one fresh directory (a block may import another, wherever each is
+printed), each under the name its first line gives (``# my_model.py``) or ``<page>_block_N.py``; a block
+with a ``def test_`` is run by pytest, a ``World.from_env()`` script by torchrun on two ranks, any other
+as a script, each in its own process with a timeout. A ``# pipecheck: ...`` comment in a block is output
+the block promises: it must be printed. No block may leave a warning or a traceback on stderr. Test ids
+name the page: ``docs/engines.md:my_engine.py``. Every relative link between the pages resolves.
 """
 
 from __future__ import annotations
@@ -13,43 +16,67 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from pipecheck._cli import EXIT_STATUSES
+from pipecheck._cli.main import EXIT_STATUSES
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 # What a clean run never prints: warnings (torch's own included), leaked multiprocessing objects, tracebacks.
 NOISE = re.compile(r"Warning|warn\(|resource_tracker|leaked|Traceback|bootstrapping phase")
 
 
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def _pages() -> dict[str, str]:
+    """README.md and every docs/*.md, by their path from the repository root."""
+    paths = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return {path.relative_to(ROOT).as_posix(): path.read_text() for path in paths}
 
 
-def _file_name(index: int, block: str) -> str:
-    first = block.splitlines()[0]
-    named = re.match(r"# (\w+\.py)\b", first)
-    return named.group(1) if named else f"readme_block_{index}.py"
+@dataclass(frozen=True)
+class Block:
+    page: str  # "README.md", "docs/engines.md"
+    index: int  # among the page's python blocks
+    text: str
+
+    @property
+    def file_name(self) -> str:
+        named = re.match(r"# (\w+\.py)\b", self.text.splitlines()[0])
+        if named:
+            return named.group(1)
+        stem = "readme" if self.page == "README.md" else re.sub(r"\W", "_", self.page.removesuffix(".md"))
+        return f"{stem}_block_{self.index}.py"
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.file_name}"
+
+
+def _python_blocks() -> list[Block]:
+    return [Block(page, index, block) for page, text in _pages().items()
+            for index, block in enumerate(re.findall(r"```python\n(.*?)```", text, flags=re.S))]
+
+
+def _bash() -> str:
+    return "\n".join(block for text in _pages().values() for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S))
 
 
 def _check_commands() -> list[str]:
-    """The README's `pipecheck check` lines that run in one process (their own runner, or "reference").
+    """The pages' `pipecheck check` lines that run in one process (their own runner, or "reference").
 
     The distributed line checks the same file as the `my_model.py` block's own distributed check, which
     runs above; starting its worker processes again would only add time to the suite.
     """
-    bash = "\n".join(re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S))
-    return [line for line in bash.splitlines()
+    return [line for line in _bash().splitlines()
             if line.startswith("pipecheck check ") and re.search(r"--runner (reference|\w+:\w+)", line)]
 
 
 def _write_blocks(directory: Path) -> dict[str, str]:
-    files = {_file_name(i, block): block for i, block in enumerate(_python_blocks())}
-    for name, block in files.items():
-        (directory / name).write_text(block)
+    files = {block.file_name: block.text for block in _python_blocks()}
+    for name, text in files.items():
+        (directory / name).write_text(text)
     return files
 
 
@@ -65,42 +92,45 @@ def _clean(result: subprocess.CompletedProcess[str], what: str) -> None:
     assert noise == [], f"{what} printed on stderr:\n{result.stderr}"
 
 
-def _core_blocks() -> list[int]:
+def _core_blocks() -> list[Block]:
     """Blocks that need only pipecheck; those starting `# needs: pip install "pipecheck[X]"` are run by
     test_readme_engines.py when X is installed."""
-    return [i for i, block in enumerate(_python_blocks()) if not block.startswith("# needs: ")]
+    return [block for block in _python_blocks() if not block.text.startswith("# needs: ")]
 
 
-@pytest.mark.parametrize("index", _core_blocks(), ids=[_file_name(i, _python_blocks()[i]) for i in _core_blocks()])
-def test_every_python_block_runs_as_written(index: int, tmp_path: Path) -> None:
-    block = _python_blocks()[index]
-    name = _file_name(index, block)
-    _write_blocks(tmp_path)  # a block may import another (my_engine.py, my_model.py)
-    if re.search(r"^def test_", block, flags=re.M):
+def test_every_block_has_a_file_name_of_its_own() -> None:
+    names = [block.file_name for block in _python_blocks()]
+    assert len(names) == len(set(names)), sorted(name for name in names if names.count(name) > 1)
+
+
+@pytest.mark.parametrize("block", _core_blocks(), ids=[block.id for block in _core_blocks()])
+def test_every_python_block_runs_as_written(block: Block, tmp_path: Path) -> None:
+    name = block.file_name
+    _write_blocks(tmp_path)  # a block may import another (my_engine.py, my_model.py), from any page
+    if re.search(r"^def test_", block.text, flags=re.M):
         result = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name], tmp_path)
         assert re.search(r"\b1 passed\b", result.stdout), result.stdout
-    elif "pc.World.from_env()" in block:  # a torchrun script: two ranks on this machine
+    elif "pc.World.from_env()" in block.text:  # a torchrun script: two ranks on this machine
         result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                        name], tmp_path)
     else:
         result = _run([sys.executable, name], tmp_path)
-    _clean(result, name)
-    promised = [line.strip()[2:] for line in block.splitlines() if line.strip().startswith("# pipecheck: ")]
+    _clean(result, block.id)
+    promised = [line.strip()[2:] for line in block.text.splitlines() if line.strip().startswith("# pipecheck: ")]
     for line in promised:
-        assert line in result.stdout, f"{name} promises {line!r}; it printed:\n{result.stdout}"
+        assert line in result.stdout, f"{block.id} promises {line!r}; it printed:\n{result.stdout}"
 
 
-def test_the_readme_s_blocks_are_complete_programs() -> None:
-    for index, block in enumerate(_python_blocks()):
-        assert block.lstrip().startswith(("import ", "from ", "# ")), f"block {index} starts mid-program"
-        starts_workers = re.search(r"pc\.World\(|runner=\"(distributed|torch)\"|run_pipeline\(", block)
-        if starts_workers and "def test_" not in block:
-            assert 'if __name__ == "__main__":' in block, f"block {index} starts workers without a main guard"
+def test_the_pages_blocks_are_complete_programs() -> None:
+    for block in _python_blocks():
+        assert block.text.lstrip().startswith(("import ", "from ", "# ")), f"{block.id} starts mid-program"
+        starts_workers = re.search(r"pc\.World\(|runner=\"(distributed|torch)\"|run_pipeline\(", block.text)
+        if starts_workers and "def test_" not in block.text:
+            assert 'if __name__ == "__main__":' in block.text, f"{block.id} starts workers without a main guard"
 
 
 def test_the_command_line_section_checks_both_example_files() -> None:
-    bash = "\n".join(re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S))
-    assert "pipecheck check my_model:Model --inputs my_model:make_inputs\n" in bash  # the Use block's file
+    assert "pipecheck check my_model:Model --inputs my_model:make_inputs\n" in _bash()  # the Use block's file
     assert len(_check_commands()) == 1  # the my_engine.py line, run below
 
 
@@ -116,23 +146,54 @@ def test_the_command_line_examples_run_as_written(command: str, tmp_path: Path) 
     assert " matches eager " in result.stdout.splitlines()[0]
 
 
-def test_the_readme_documents_every_exit_status() -> None:
-    text = README.read_text()
-    for status, meaning in EXIT_STATUSES.items():
-        assert f"| {status} | {meaning} |" in text
+def test_the_docs_document_every_exit_status() -> None:
+    rows = [f"| {status} | {meaning} |" for status, meaning in EXIT_STATUSES.items()]
+    assert [page for page, text in _pages().items() if all(row in text for row in rows)], rows
+
+
+def _generated_block(block: str | None) -> tuple[str, str]:
+    """The one page holding the zoo command's marked block, and the block's text."""
+    name = "pipecheck-zoo" if block is None else f"pipecheck-zoo-{block}"
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    holders = [page for page, text in _pages().items() if begin in text]
+    assert len(holders) == 1, f"{begin} is in {holders}"
+    return holders[0], _pages()[holders[0]].split(begin, 1)[1].split(end, 1)[0]
 
 
 def test_the_zoo_table_is_generated_into_its_markers() -> None:
-    text = README.read_text()
-    block = text.split("<!-- pipecheck-zoo:begin -->", 1)[1].split("<!-- pipecheck-zoo:end -->", 1)[0]
-    assert "generated by `python -m pipecheck zoo" in block
+    page, block = _generated_block(None)
+    assert f"generated by `python -m pipecheck zoo --write-markdown {page}`" in block  # the page it sits in
     assert all(name in block for name in ("mlp", "tiny_gpt", "long_skip", "kwarg_last"))
 
 
 def test_the_zero_bubble_table_is_generated_into_its_block():
-    text = README.read_text()
-    block = text.split("<!-- pipecheck-zoo-zero-bubble:begin -->", 1)[1].split(
-        "<!-- pipecheck-zoo-zero-bubble:end -->", 1)[0]
+    page, block = _generated_block("zero-bubble")
     assert "generated by `python -m pipecheck zoo --columns distributed:zb" in block
-    assert "--block zero-bubble" in block
+    assert f"--write-markdown {page} --block zero-bubble" in block
     assert all(name in block for name in ("distributed zbv", "torch dualpipev", "tiny_gpt", "long_skip"))
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(next(f"{slug}-{n}" if n else slug for n in range(100) if (f"{slug}-{n}" if n else slug)
+                         not in anchors))
+    return anchors
+
+
+def test_every_relative_link_between_the_pages_resolves() -> None:
+    broken = []
+    for page, text in _pages().items():
+        prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (ROOT / page).parent / path if path else ROOT / page
+            if not file.resolve().exists():
+                broken.append(f"{page}: {target} (no such file)")
+            elif anchor and anchor not in _anchors(file.read_text()):
+                broken.append(f"{page}: {target} (no such heading)")
+    assert broken == []

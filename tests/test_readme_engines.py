@@ -1,6 +1,7 @@
-"""The README's DeepSpeed and torchtitan examples run as printed, as programs (they start worker
-processes), when their engine is installed; each prints exactly the lines its closing comments show
-(DeepSpeed's own log lines aside) and leaves nothing on stderr."""
+"""The DeepSpeed and torchtitan examples of the README and of the guides under docs/ run as printed, as
+programs (they start worker processes), when their engine is installed; each prints exactly the lines its
+closing comments show (DeepSpeed's own log lines aside) and leaves nothing on stderr. Test ids name the
+page: ``docs/engines.md:deepspeed``."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
 NEEDS = re.compile(r'^# needs: pip install "pipecheck\[(\w+)\]"')
 ENGINE_LOG = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|WARNING)\] ")  # DeepSpeed's logger prints here
 
 
-def _engine_blocks() -> list[tuple[str, str]]:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    return [(match.group(1), block) for block in blocks if (match := NEEDS.match(block))]
+def _engine_blocks() -> list[tuple[str, str, str]]:
+    """(page, extra, block) for every `# needs: pip install "pipecheck[X]"` block of README.md and docs/*.md."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S):
+            if match := NEEDS.match(block):
+                found.append((path.relative_to(ROOT).as_posix(), match.group(1), block))
+    return found
 
 
 def _expected(block: str) -> list[str]:
@@ -32,11 +38,11 @@ def _expected(block: str) -> list[str]:
     return closing
 
 
-def test_the_readme_has_an_example_per_engine() -> None:
-    assert sorted(extra for extra, _ in _engine_blocks()) == ["deepspeed", "torchtitan"]
+def test_the_docs_have_an_example_per_engine() -> None:
+    assert sorted(extra for _, extra, _ in _engine_blocks()) == ["deepspeed", "torchtitan"]
 
 
-@pytest.mark.parametrize("extra,block", [pytest.param(e, b, id=e) for e, b in _engine_blocks()])
+@pytest.mark.parametrize("extra,block", [pytest.param(e, b, id=f"{page}:{e}") for page, e, b in _engine_blocks()])
 def test_an_engine_example_runs_and_prints_what_it_says(extra: str, block: str, tmp_path: Path) -> None:
     if importlib.util.find_spec(extra) is None:
         pytest.skip(f'needs pip install "pipecheck[{extra}]"')
