@@ -1,4 +1,9 @@
-"""The one exception family of pipecheck, and the record a rank's exception travels as.
+"""The one exception family of pipecheck, and the record a rank's exception travels as (public).
+
+    try:
+        pc.assert_equivalent(model, (x,), runner="torch", n_microbatches=4)
+    except pipecheck.errors.RankTimeoutError as err:   # also pc.RankTimeoutError
+        print(err.ranks, err.stacks)
 
 Every error a user can trigger derives from :class:`PipecheckError`. Messages
 state the rule, the values seen and the fix. An exception raised on a worker
@@ -15,8 +20,10 @@ from pathlib import Path
 
 # pipecheck's adapters: the rank-side modules that call an engine's or torch's own API, where a release
 # that drops or changes that API fails.
-_ADAPTERS = {Path(__file__).resolve().parent / f"{name}.py" for name in (
-    "_torch_rank", "_torch_schedules", "_titan_rank", "_deepspeed_rank", "_deepspeed_layers")}
+_PACKAGE = Path(__file__).resolve().parent
+_ADAPTERS = {_PACKAGE.joinpath(*name.split("/")).with_suffix(".py") for name in (
+    "_runners/torch_pipelining/rank", "_schedule/torch_classes", "_runners/torchtitan/rank",
+    "_runners/deepspeed/rank", "_runners/deepspeed/layers", "_runners/rank_side")}
 # The packages whose API the adapters call.
 _ENGINE_PACKAGES = ("torch", "deepspeed", "torchtitan")
 
@@ -77,7 +84,12 @@ def _raised_at(error: BaseException) -> str:
     parts = path.parts
     package = next((i for i in range(len(parts) - 1, -1, -1) if parts[i] in ("site-packages", "dist-packages")),
                    None)
-    shown = "/".join(parts[package + 1:] if package is not None else parts[-2:])  # pipecheck/_x.py editable
+    if package is not None:
+        shown = "/".join(parts[package + 1:])
+    elif path.is_relative_to(_PACKAGE):  # pipecheck itself, installed editable: pipecheck/_runners/.../rank.py
+        shown = "/".join(path.relative_to(_PACKAGE.parent).parts)
+    else:
+        shown = "/".join(parts[-2:])
     return f"{shown}:{line} in {function}"
 
 

@@ -51,6 +51,7 @@ from pipecheck._schedule.generators import (
     zbv,
     zero_bubble_h1,
 )
+from pipecheck._schedule.names import SCHEDULES, schedule_named
 from pipecheck._schedule.sim import (
     Dependencies,
     bubble,
@@ -76,24 +77,14 @@ __all__ = [
     "zero_bubble_h1",
 ]
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
+SCHEDULE_NAMES = tuple(key for key, entry in SCHEDULES.items() if entry.pipecheck)
 """The names :func:`make_schedule` builds (pipecheck's runtime runs them), simplest first."""
-
-_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved_1f1b": "interleaved",
-            "zb": "zb", "zb_h1": "zb", "zbh1": "zb", "zbv": "zbv", "zb_v": "zbv"}
-# Names torch.distributed.pipelining knows and pipecheck's runtime does not build.
-_TORCH_ONLY = ("interleaved_zb", "interleavedzerobubble", "scheduleinterleavedzerobubble", "dualpipev",
-               "scheduledualpipev", "looped_bfs", "loopedbfs", "scheduleloopedbfs")
-
-
-def _key(name: object) -> str:
-    return name.strip().lower().replace("-", "_") if isinstance(name, str) else ""
 
 
 def stages_per_rank_of(name: str) -> int | None:
     """The stages per rank a schedule name requires (2 for "zbv"), or None when it takes any."""
-    key = _ALIASES.get(_key(name))
-    return {"1f1b": 1, "zb": 1, "zbv": 2}.get(key or "")
+    entry = schedule_named(name)
+    return entry.stages_per_rank if entry is not None else None
 
 
 def make_schedule(
@@ -107,9 +98,10 @@ def make_schedule(
     "zbv" exactly two, in a V (stage ``r`` and ``n_stages - 1 - r`` on rank ``r``).
     A layout a schedule cannot run is a ScheduleError saying which would fit.
     """
-    key = _ALIASES.get(_key(name))
+    entry = schedule_named(name)
+    key = entry.key if entry is not None and entry.pipecheck else None
     if key is None:
-        torch_only = _key(name) in _TORCH_ONLY
+        torch_only = entry is not None
         raise ScheduleError(
             f"unknown schedule {name!r}; valid names: 'gpipe', '1f1b', 'interleaved' "
             "(alias 'interleaved_1f1b'), 'zb' (ZB-H1), 'zbv', case-insensitive"

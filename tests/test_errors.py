@@ -384,3 +384,11 @@ def test_reentrant_checkpointing_is_an_input_error_naming_use_reentrant_false() 
     for tracer in ("fx", "export"):
         report = pc.assert_equivalent(Checkpointed(False), (x,), runner="reference", n_microbatches=2, tracer=tracer)
         assert report.num_stages == 2
+
+
+def test_every_adapter_module_named_for_adapter_errors_exists() -> None:
+    """A failure is pipecheck's adapter's (AdapterError) when raised in one of these files: a file
+    moved or renamed without this list would turn adapter bugs into findings about the engine."""
+    from pipecheck import errors
+
+    assert errors._ADAPTERS and all(path.is_file() for path in errors._ADAPTERS), sorted(map(str, errors._ADAPTERS))

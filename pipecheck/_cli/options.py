@@ -16,11 +16,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pipecheck._runners import registry as _optional_runners
+from pipecheck._runners import registry
 from pipecheck.errors import InputError, PipecheckError, UsageError, first_line
 
-# pipecheck._runners.base.BUILTIN, and each optional engine's runner that is installed (found without importing it)
-RUNNERS = ("reference", "distributed", "torch", *_optional_runners.available())
+# Every built-in runner whose engine is installed (found without importing it): pipecheck._runners.registry
+RUNNERS = tuple(registry.available())
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "float64": "float64"}
 
@@ -124,9 +124,10 @@ def runner_option(spec: str) -> tuple[str, Any]:
     """``(column name, runner)``: a built-in runner's name, or a user's Runner as pkg.module:function."""
     if ":" in spec:
         return spec.split(":")[-1], load_object(spec, "--runner")
-    if spec in _optional_runners.OPTIONAL and spec not in RUNNERS:  # a known engine, not installed here
-        _optional_runners.OPTIONAL[spec].load()  # raises the InputError that names the pip command
-    if spec not in RUNNERS:
+    entry = registry.runner_named(spec)
+    if entry is not None and entry.name not in RUNNERS:  # a known engine, not installed here
+        entry.load()  # raises the InputError that names the pip command
+    if entry is None:
         close = difflib.get_close_matches(spec, RUNNERS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UsageError(f"runner {spec!r} is not one of {', '.join(RUNNERS)}.{hint} Fix: name a built-in "
@@ -147,11 +148,10 @@ def device_option(name: str) -> str:
 
 def schedule_option(name: str) -> str:
     """A schedule pipecheck's runtime or runner='torch' knows (names only: torch is not imported)."""
-    from pipecheck._schedule.torch_classes import ALIASES
+    from pipecheck._schedule.names import schedule_named
     from pipecheck.schedules import SCHEDULE_NAMES
 
-    key = name.strip().lower().replace("-", "_")
-    if key not in ALIASES and key not in SCHEDULE_NAMES:
+    if schedule_named(name) is None:
         raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(SCHEDULE_NAMES)}; "
                                          "runner torch also interleaved_zb, dualpipev and torch's class names)")
     return name

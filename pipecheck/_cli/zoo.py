@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipecheck._cli.options import RUNNERS, device_option, dtype_option, runner_option
-from pipecheck._runners import registry as _optional_runners
+from pipecheck._runners import registry
 from pipecheck.errors import (
     AdapterError,
     EquivalenceError,
@@ -34,7 +34,8 @@ ZOO_STATUS = ("zoo exits 0 when every cell of pipecheck's own runners passes, 1 
               "their known failures and never change it, except an AdapterError (pipecheck's own adapter\n"
               "broken by the installed release) or an internal error, pipecheck's failures in any column:\n"
               "exit 4 (1 if a cell is also FAIL).")
-NOT_COUNTED = ("torch", *_optional_runners.OPTIONAL)  # zoo columns (other engines) that never change its exit status
+# zoo columns whose mismatches never change its exit status: other people's engines (findings, not failures)
+NOT_COUNTED = ("torch", *registry.OPTIONAL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,15 +110,12 @@ def _refusal(err: Exception) -> str:
 
 
 def stages_per_rank_for(runner: str, schedule: str, default: int) -> int:
-    """The stages per rank ``schedule`` runs on ``runner`` (2 for the V schedules), else ``default``."""
-    from pipecheck._schedule.torch_classes import ALIASES, TORCH_SCHEDULES
-    from pipecheck.schedules import stages_per_rank_of
+    """The stages per rank ``schedule`` runs on ``runner`` (2 for the V schedules), else ``default``; every
+    runner reads the one table of schedule names (``pipecheck._schedule.names``)."""
+    from pipecheck._schedule.names import schedule_named
 
-    if runner == "torch":
-        key = ALIASES.get(schedule.strip().lower().replace("-", "_"))
-        required = TORCH_SCHEDULES[key].stages_per_rank if key else None
-    else:
-        required = stages_per_rank_of(schedule)
+    entry = schedule_named(schedule)
+    required = entry.stages_per_rank if entry is not None else None
     return default if required is None else required
 
 
@@ -189,7 +187,8 @@ def _run_zoo(args: argparse.Namespace, zoo: list[Any], columns: list[tuple[str, 
                 schedule=schedule, stages_per_rank=stages_per_rank_for(column, schedule, args.stages_per_rank),
                 dtype=dtype_option(args.dtype), device=device, timeout=args.timeout, **entry.cut(style))
             cell = zoo_cell(run)
-            if column not in NOT_COUNTED or cell.outcome in COUNTED_EVERYWHERE:
+            built_in = registry.runner_named(column)
+            if built_in is None or built_in.name not in NOT_COUNTED or cell.outcome in COUNTED_EVERYWHERE:
                 outcomes.add(cell.outcome)
             cells.append(cell.text)
             records.append({"model": entry.name, "column": column, "schedule": schedule,

@@ -1,4 +1,4 @@
-"""What a runner returns for one training step."""
+"""What a runner returns for one training step, and what each rank of an engine sends back for it."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from pipecheck.errors import RankError
 
 
 @dataclass
@@ -33,3 +35,23 @@ class StepResult:
     # Optional: boundary values, (stage, micro-batch, point, value name) -> host tensor, recorded when
     # ``job.boundaries`` is set (see pipecheck.Job); a runner on one process need not fill it.
     boundaries: dict[tuple[int, int, str, str], torch.Tensor] = field(default_factory=dict)
+
+
+BoundaryKey = tuple[int, int, str, str]  # (stage, micro-batch, point, value name)
+
+
+@dataclass
+class RankReport:
+    """What one rank sends back after its engine's step, keyed by stage and ORIGINAL parameter FQN.
+
+    Each engine's rank result extends it with what that engine hands back its own way (outputs,
+    losses, input gradients); the driver skeleton (``pipecheck._runners.engine``) merges the rest.
+    """
+
+    rank: int
+    stage_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> grad
+    buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> after the step
+    boundaries: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)  # when the spec says record
+    timings: dict[str, float] = field(default_factory=dict)
+    unmapped: list[str] = field(default_factory=list)  # the engine's parameter names with no original FQN
+    failure: RankError | None = None  # this rank failed before communicating

@@ -5,10 +5,11 @@
     grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
     available_runners()                                     # the built-in ones, DeepSpeed's if installed, ...
 
-Built-in runners by name: "reference" (:class:`DetachExecutor` in this
-process), "distributed" (pipecheck's runtime on a World), "torch"
-(torch.distributed.pipelining on a World), and the optional ones whose engine
-is a separate install ("deepspeed", "torchtitan": :mod:`pipecheck._runners.registry`).
+Built-in runners by name (one table: :mod:`pipecheck._runners.registry`): "reference"
+(:class:`DetachExecutor` in this process), "distributed" (pipecheck's runtime on a World), "torch"
+(torch.distributed.pipelining on a World), and the optional ones whose engine is a separate install
+("deepspeed", "torchtitan"). The engines on a World share one driver skeleton
+(:mod:`pipecheck._runners.engine`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn as nn
 
 from pipecheck._core.result import StepResult
 from pipecheck._core.torch_versions import TESTED_TORCH, is_tested, tested_note
-from pipecheck._runners import registry as optional
+from pipecheck._runners import registry
 from pipecheck._runners.job import Job
 from pipecheck._runtime.boundaries import recording
 from pipecheck._runtime.reference import DetachExecutor
@@ -43,20 +44,17 @@ from pipecheck.errors import (
     plural,
 )
 
-BUILTIN = ("reference", "distributed", "torch")
-
 
 def available_runners() -> list[str]:
     """Every built-in runner's name whose engine is installed here."""
-    return [*BUILTIN, *optional.available()]
+    return registry.available()
 
 
 def run_reference(job: Job) -> StepResult:
     """pipecheck's single-process reference: DetachExecutor on the job's split (the check's own, its
     buffers put back after: a step changes only buffers, never parameters)."""
-    with (job.pipe.buffers_restored() if job.pipe is not None else contextlib.nullcontext(job.split())) as pipe, \
-            (recording(pipe, job.boundaries) if job.boundaries is not None and job.pipe is not None
-             else contextlib.nullcontext()):  # job.split() records by itself
+    with job.structure().buffers_restored() as pipe, \
+            (recording(pipe, job.boundaries) if job.boundaries is not None else contextlib.nullcontext()):
         return DetachExecutor(pipe).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
                                          n_microbatches=job.n_microbatches)
 

@@ -10,12 +10,15 @@
 A runner is any callable ``runner(job) -> StepResult``. ``job.model`` is a
 picklable zero-argument factory, which is what travels to worker processes.
 ``job.pipe`` is the check's own split, for reading its structure;
-``job.split()`` gives a private copy to run.
+``job.split()`` gives a private copy to run. A runner may also have a method
+``check_split(pipe)``: the check calls it as soon as the model is split, before
+any eager work, and it raises ``pc.InputError`` for a split it cannot run.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -66,18 +69,23 @@ class Job:
     def split(self) -> Pipe:
         """The job's model cut as the job asks: a private copy, safe to run (running changes buffers).
         While ``boundaries`` is set, its stage modules record their boundary values there."""
-        if self.pipe is not None:
-            pipe = copy.deepcopy(self.pipe)
-        else:
-            pipe = split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
-                         tracer=self.tracer)
+        pipe = copy.deepcopy(self.structure())
         if self.boundaries is not None:
             instrument(pipe, self.boundaries)
         return pipe
 
     def structure(self) -> Pipe:
-        """The job's split for reading its stages, edges and tied groups (not for running)."""
-        return self.pipe if self.pipe is not None else self.split()
+        """The job's split for reading its stages, edges and tied groups (not for running): the
+        check's own, or the job's model cut once, on first use."""
+        if self.pipe is None:
+            self.pipe = split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
+                              tracer=self.tracer)
+        return self.pipe
+
+    @functools.cached_property
+    def bound(self) -> dict[str, Any]:
+        """The job's inputs by the names of the model's ``forward`` parameters (``pc.Replicated`` kept)."""
+        return self.structure().bind_inputs(self.args, self.kwargs)
 
 
 @runtime_checkable

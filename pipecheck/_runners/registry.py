@@ -1,10 +1,14 @@
-"""Built-in runners whose engine is a separate install, found without importing it (nor torch).
+"""Every built-in runner, in one table: its name, whose engine runs, where its code lives, what it needs.
 
-    OPTIONAL["deepspeed"].available()        # is DeepSpeed installed? (importlib.util.find_spec)
-    run = OPTIONAL["deepspeed"].load()       # its runner; InputError with the pip command if missing
-    available()                              # ["deepspeed", "torchtitan"], those installed here
+    entry = runner_named("torch-pipelining")  # any spelling -> its row ("torch"); None if unknown
+    run = entry.load()                        # its runner; InputError with the pip command if missing
+    available()                               # ["reference", "distributed", "torch", "deepspeed", ...]
 
-A command line can list these without paying for torch: nothing here imports it.
+A runner is listed by ``available`` only when its engine is installed (looked up without importing
+it). Each name says whose engine runs as an alias too ("pipecheck-runtime", "torch-pipelining");
+the contract's names ("reference", "distributed", "torch") stay the ones listed and reported. A new
+engine is one folder under ``pipecheck/_runners/`` and one row here. The command line reads this
+table without paying for torch: nothing here imports it.
 """
 
 from __future__ import annotations
@@ -18,16 +22,19 @@ from pipecheck.errors import InputError
 
 
 @dataclass(frozen=True)
-class OptionalRunner:
-    """A built-in runner for an engine installed separately (``pip install "pipecheck[<extra>]"``)."""
+class RunnerEntry:
+    """One built-in runner."""
 
     name: str
-    package: str  # the engine's import name, looked up without importing it
-    extra: str
-    runner: str  # "module:function" of the runner inside pipecheck
+    engine: str  # whose engine runs, in words
+    runner: str  # "module:attribute" of the runner inside pipecheck
+    aliases: tuple[str, ...] = ()  # other names, each saying whose engine runs
+    package: str | None = None  # an engine installed separately: its import name, looked up without importing it
+    extra: str | None = None  # pip install "pipecheck[<extra>]" installs it
+    on_world: bool = True  # runs on worker processes (a script calling it needs `if __name__ == "__main__":`)
 
     def available(self) -> bool:
-        return importlib.util.find_spec(self.package) is not None
+        return self.package is None or importlib.util.find_spec(self.package) is not None
 
     def load(self) -> Any:
         if not self.available():
@@ -37,14 +44,41 @@ class OptionalRunner:
         return getattr(importlib.import_module(module), attr)
 
 
-OPTIONAL: dict[str, OptionalRunner] = {
-    runner.name: runner for runner in (
-        OptionalRunner("deepspeed", "deepspeed", "deepspeed", "pipecheck._runners.deepspeed.driver:run_deepspeed"),
-        OptionalRunner("torchtitan", "torchtitan", "torchtitan", "pipecheck._runners.torchtitan.driver:run_torchtitan"),
+RUNNERS: dict[str, RunnerEntry] = {
+    entry.name: entry for entry in (
+        RunnerEntry("reference", "pipecheck's DetachExecutor, in this process", "pipecheck._runners.base:run_reference",
+                    aliases=("detach_executor",), on_world=False),
+        RunnerEntry("distributed", "pipecheck's runtime", "pipecheck._runners.runtime.driver:run_distributed",
+                    aliases=("pipecheck_runtime",)),
+        RunnerEntry("torch", "torch.distributed.pipelining", "pipecheck._runners.torch_pipelining.driver:run_torch",
+                    aliases=("torch_pipelining",)),
+        RunnerEntry("deepspeed", "DeepSpeed's PipelineEngine", "pipecheck._runners.deepspeed.driver:run_deepspeed",
+                    package="deepspeed", extra="deepspeed"),
+        RunnerEntry("torchtitan", "torchtitan", "pipecheck._runners.torchtitan.driver:run_torchtitan",
+                    package="torchtitan", extra="torchtitan"),
     )
 }
 
+BUILTIN = tuple(name for name, entry in RUNNERS.items() if entry.package is None)
+"""The runners that ship with pipecheck itself."""
+
+OPTIONAL = {name: entry for name, entry in RUNNERS.items() if entry.package is not None}
+"""The runners whose engine is a separate install."""
+
+
+def name_key(name: str) -> str:
+    """A runner's name as the table compares it: case, surrounding spaces and "-" vs "_" ignored."""
+    return name.strip().lower().replace("-", "_")
+
+
+_BY_NAME = {name_key(spelling): entry for entry in RUNNERS.values() for spelling in (entry.name, *entry.aliases)}
+
+
+def runner_named(name: object) -> RunnerEntry | None:
+    """The row of a built-in runner's name or alias, or None."""
+    return _BY_NAME.get(name_key(name)) if isinstance(name, str) else None
+
 
 def available() -> list[str]:
-    """The optional runners whose engine is installed here, in registry order."""
-    return [name for name, runner in OPTIONAL.items() if runner.available()]
+    """Every built-in runner whose engine is installed here, in table order."""
+    return [name for name, entry in RUNNERS.items() if entry.available()]

@@ -1,7 +1,7 @@
 """pipecheck's stage executor: one rank's share of a pipelined training step.
 
     results = world.run(rank_step, StepSpec(...))     # every rank: split, run its actions
-    results[r].grads[stage][fqn], results[r].outputs[mb], results[r].events
+    results[r].stage_grads[stage][fqn], results[r].outputs[mb], results[r].events
 
 Each rank splits the model itself (deterministically, from the spec's seeded
 factory), keeps the stages the schedule gives it, and runs its list of
@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._runtime.boundaries import Boundaries, BoundaryKey, instrument
+from pipecheck._core.result import RankReport
+from pipecheck._runtime.boundaries import Boundaries, instrument
 from pipecheck._runtime.comm import Channel, Links, Posted
 from pipecheck._runtime.reference import sum_stage_grads
 from pipecheck._runtime.stage_step import (
@@ -78,17 +79,13 @@ class StepSpec:
 
 
 @dataclass
-class RankResult:
+class RankResult(RankReport):
     """What one rank sends back to the driver (CPU tensors only)."""
 
-    rank: int
     outputs: dict[int, list[Any]] = field(default_factory=dict)  # mb -> output leaves (last stage)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> grad
     input_grads: dict[InputGradKey, LeafGrads] = field(default_factory=dict)
-    buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> after the step
     events: list[Event] = field(default_factory=list)
-    boundaries: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)  # when the spec says record
 
 
 def dependencies(pipe: Pipe) -> dict[int, set[int]]:
@@ -249,7 +246,7 @@ class StageExecutor:
                                                                            1.0 / self.n_microbatches)
         else:
             in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss, 1.0 / self.n_microbatches)
-            add_param_grads(self.result.grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
+            add_param_grads(self.result.stage_grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
         self._record("backward", f"{s}{kind}{mb}", start)
         sent: dict[tuple[int, str], tuple[Any, LeafGrads]] = {}
         for src, value, grads in zip(stage.inputs, fwd.inputs, in_grads):
@@ -269,7 +266,7 @@ class StageExecutor:
         ``I`` kept; accumulated in the order the W run (micro-batch order in pipecheck's schedules)."""
         start = time.monotonic_ns()
         p_grads = stage_backward_weight(self.pipe.stages[s], self.weights_pending.pop((s, mb)))
-        add_param_grads(self.result.grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
+        add_param_grads(self.result.stage_grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
         self._record("backward", f"{s}W{mb}", start)
 
     def run_action(self, action: Action, posted: dict[Channel, Posted]) -> None:
@@ -287,8 +284,8 @@ class StageExecutor:
             if not param.requires_grad:
                 continue  # frozen: no replica has a gradient (the same on every rank)
             holders = [s for s in group.stages if self._mine(s)]
-            local = sum_stage_grads([{group.fqn: self.result.grads[s][group.fqn]} for s in holders
-                                     if group.fqn in self.result.grads.get(s, {})]).get(group.fqn)
+            local = sum_stage_grads([{group.fqn: self.result.stage_grads[s][group.fqn]} for s in holders
+                                     if group.fqn in self.result.stage_grads.get(s, {})]).get(group.fqn)
             if len({self.stage_to_rank[s] for s in group.stages}) > 1:
                 # A copy the collective may write into: autograd's gradient can be shared with another
                 # parameter's (p + b) or a stride-0 broadcast view (x * p.sum()).
@@ -299,7 +296,7 @@ class StageExecutor:
                 local = buffer.to(self.ctx.device)
             for s in holders:
                 if local is not None:
-                    self.result.grads.setdefault(s, {})[group.fqn] = local
+                    self.result.stage_grads.setdefault(s, {})[group.fqn] = local
 
     def run(self) -> RankResult:
         """One step, its results on the host."""
@@ -333,8 +330,8 @@ class StageExecutor:
         """The step's results, moved to the host in one transfer."""
         self.ctx.action = "results to host"
         result = self.result
-        result.outputs, result.losses, result.grads, result.input_grads, result.buffers = to_host(
-            (result.outputs, result.losses, result.grads, result.input_grads, result.buffers))
+        result.outputs, result.losses, result.stage_grads, result.input_grads, result.buffers = to_host(
+            (result.outputs, result.losses, result.stage_grads, result.input_grads, result.buffers))
         if self.recorder is not None:
             result.boundaries = self.recorder.exported()  # copied to the host as recorded
         self.ctx.stage, self.ctx.action = None, None

@@ -37,52 +37,19 @@ from typing import Any
 
 from pipecheck._core.torch_versions import at_least, tested_note
 from pipecheck._schedule.data import round_robin, v_shape
+from pipecheck._schedule.names import SCHEDULES, ScheduleName, name_key
 from pipecheck._schedule.sim import problem_list
 from pipecheck.errors import AdapterError, ScheduleError
 
 ENGINE = "torch.distributed.pipelining"
 
 
-@dataclass(frozen=True)
-class TorchSchedule:
-    """One of torch's schedules: its class for one and for several stages per rank, and its rules."""
+# torch's schedules: the rows of pipecheck's one table of schedule names that torch runs (all of them).
+TORCH_SCHEDULES = {key: entry for key, entry in SCHEDULES.items() if entry.torch_single or entry.torch_multi}
 
-    key: str
-    single: str | None  # the class for one stage per rank (a PipelineScheduleSingle), if it differs
-    multi: str | None  # the class taking a list of stages
-    placement: str = "loop"  # "loop": stage s on rank s % p; "v": stages r and 2p - 1 - r on rank r
-    stages_per_rank: int | None = None  # required, or None for any
-    rule: str = ""  # "stages": m >= number of stages; "rounds": m a multiple of max(1, m // p)
-
-
-TORCH_SCHEDULES = {
-    s.key: s for s in (
-        TorchSchedule("gpipe", "ScheduleGPipe", "ScheduleLoopedBFS"),
-        TorchSchedule("looped_bfs", None, "ScheduleLoopedBFS"),
-        TorchSchedule("1f1b", "Schedule1F1B", None, stages_per_rank=1, rule="stages"),
-        TorchSchedule("interleaved", None, "ScheduleInterleaved1F1B", rule="rounds"),
-        TorchSchedule("zb", None, "ScheduleInterleavedZeroBubble", stages_per_rank=1, rule="rounds"),
-        TorchSchedule("interleaved_zb", None, "ScheduleInterleavedZeroBubble", rule="rounds"),
-        TorchSchedule("zbv", None, "ScheduleZBVZeroBubble", placement="v", stages_per_rank=2),
-        TorchSchedule("dualpipev", None, "ScheduleDualPipeV", placement="v", stages_per_rank=2, rule="stages"),
-    )
-}
-
-
-# Every accepted name, lower-cased, -> its key: pipecheck's names, torch's short names (get_schedule_class)
-# and torch's class names.
-ALIASES = {
-    "gpipe": "gpipe", "schedulegpipe": "gpipe",
-    "looped_bfs": "looped_bfs", "loopedbfs": "looped_bfs", "scheduleloopedbfs": "looped_bfs",
-    "1f1b": "1f1b", "schedule1f1b": "1f1b",
-    "interleaved": "interleaved", "interleaved_1f1b": "interleaved", "interleaved1f1b": "interleaved",
-    "scheduleinterleaved1f1b": "interleaved",
-    "zb": "zb", "zb_h1": "zb",
-    "interleaved_zb": "interleaved_zb", "interleavedzerobubble": "interleaved_zb",
-    "scheduleinterleavedzerobubble": "interleaved_zb",
-    "zbv": "zbv", "zbvzerobubble": "zbv", "schedulezbvzerobubble": "zbv",
-    "dualpipev": "dualpipev", "scheduledualpipev": "dualpipev",
-}
+# Every accepted name, as name_key gives it, -> its key: pipecheck's names, torch's short names
+# (get_schedule_class) and torch's class names.
+ALIASES = {spelling: entry.key for entry in TORCH_SCHEDULES.values() for spelling in (entry.key, *entry.spellings)}
 
 
 @dataclass(frozen=True)
@@ -94,15 +61,11 @@ class TorchLayout:
     stage_to_rank: tuple[int, ...]
 
 
-def _key(name: object) -> str:
-    return name.strip().lower().replace("-", "_") if isinstance(name, str) else ""
-
-
 def torch_layout(name: str, n_stages: int, n_microbatches: int, stages_per_rank: int) -> TorchLayout:
     """The layout of ``name`` for a split of ``n_stages``; ScheduleError listing every rule it breaks."""
     import torch  # here: the names above are read without torch (the command line checks them)
 
-    key = ALIASES.get(_key(name))
+    key = ALIASES.get(name_key(name))
     if key is None:
         raise ScheduleError(
             f"unknown schedule {name!r} for runner='torch'; valid names: "
@@ -110,17 +73,17 @@ def torch_layout(name: str, n_stages: int, n_microbatches: int, stages_per_rank:
             + " (case-insensitive), or torch's class names such as 'ScheduleZBVZeroBubble' / 'ZBVZeroBubble'"
         )
     schedule = TORCH_SCHEDULES[key]
-    if stages_per_rank == 1 and schedule.single is not None and not at_least(torch.__version__, "2.11"):
+    if stages_per_rank == 1 and schedule.torch_single is not None and not at_least(torch.__version__, "2.11"):
         # torch 2.10's PipelineScheduleSingle refuses m < stages for every schedule, ScheduleGPipe too;
         # from 2.11 only Schedule1F1B does (measured on 2.10 to 2.15, test_layout_rules_accept_exactly_...)
-        schedule = dataclasses.replace(schedule, rule="stages")
+        schedule = dataclasses.replace(schedule, torch_rule="stages")
     problems = _layout_problems(schedule, n_stages, n_microbatches, stages_per_rank)
     if problems:
         raise ScheduleError(problem_list(f"runner='torch' cannot run schedule {name!r} ({key}) on this split",
                                          problems))
     n_ranks = n_stages // stages_per_rank
-    single = stages_per_rank == 1 and schedule.single is not None
-    class_name = str(schedule.single if single else schedule.multi)
+    single = stages_per_rank == 1 and schedule.torch_single is not None
+    class_name = str(schedule.torch_single if single else schedule.torch_multi)
     from torch.distributed.pipelining import schedules
 
     if not hasattr(schedules, class_name):  # every tested torch has every class in the table above
@@ -131,13 +94,13 @@ def torch_layout(name: str, n_stages: int, n_microbatches: int, stages_per_rank:
     return TorchLayout(key, class_name, placement)
 
 
-def _layout_problems(schedule: TorchSchedule, n_stages: int, n_mbs: int, per_rank: int) -> list[str]:
+def _layout_problems(schedule: ScheduleName, n_stages: int, n_mbs: int, per_rank: int) -> list[str]:
     problems = [f"{name} must be a positive integer ({name}={value!r})"
                 for name, value in (("n_stages", n_stages), ("n_microbatches", n_mbs),
                                     ("stages_per_rank", per_rank)) if type(value) is not int or value < 1]
     if problems:
         return problems
-    what = f"torch's {schedule.single if per_rank == 1 and schedule.single else schedule.multi or schedule.single}"
+    what = f"torch's {schedule.torch_single if per_rank == 1 and schedule.torch_single else schedule.torch_multi or schedule.torch_single}"
     if schedule.stages_per_rank is not None and per_rank != schedule.stages_per_rank:
         if schedule.placement == "v":
             problems.append(f"{what} places exactly 2 stages on each rank, in a V (stage r and "
@@ -151,10 +114,10 @@ def _layout_problems(schedule: TorchSchedule, n_stages: int, n_mbs: int, per_ran
                         f"into a multiple of {per_rank} stages")
         return problems
     n_ranks = n_stages // per_rank
-    if schedule.rule == "stages" and n_mbs < n_stages:
+    if schedule.torch_rule == "stages" and n_mbs < n_stages:
         problems.append(f"{what} needs at least as many micro-batches as stages (n_microbatches={n_mbs}, "
                         f"{n_stages} stages); use n_microbatches={n_stages} or more")
-    if schedule.rule == "rounds" and n_mbs % max(1, n_mbs // n_ranks):
+    if schedule.torch_rule == "rounds" and n_mbs % max(1, n_mbs // n_ranks):
         fits = [m for m in range(max(1, n_mbs - n_ranks), n_mbs + 2 * n_ranks) if m % max(1, m // n_ranks) == 0]
         lower, higher = max(m for m in fits if m < n_mbs), min(m for m in fits if m > n_mbs)
         problems.append(f"{what} needs n_microbatches to be a multiple of its number of rounds, "

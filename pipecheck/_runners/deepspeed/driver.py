@@ -32,13 +32,6 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._core.result import StepResult
-from pipecheck._runners.base import (
-    engine_error,
-    failure_error,
-    merge_stage_grads,
-    run_engine,
-    world_for,
-)
 from pipecheck._runners.deepspeed.layers import (
     BoundaryProblem,
     LayerListModel,
@@ -56,6 +49,7 @@ from pipecheck._runners.deepspeed.rank import (
     SplitModelSpec,
     deepspeed_rank_step,
 )
+from pipecheck._runners.engine import EngineRunner, merge_reports
 from pipecheck._runners.job import Job
 from pipecheck._runtime.boundaries import Boundaries, chain_producers, instrument_module
 from pipecheck._split.microbatch import merge_microbatches, split_microbatches, unwrap_replicated
@@ -91,40 +85,28 @@ def _refuse(problems: Sequence[BoundaryProblem], what: str) -> None:
                           "or wait forever for its peer.)", engine=ENGINE, rank=first.stage, stage=first.stage)
 
 
-def _run(job: Job, n_ranks: int, spec: Any, what: str) -> list[DeepSpeedRankResult]:
-    world = world_for(job, n_ranks, what)
-    results = run_engine(world, deepspeed_rank_step, spec, job,
-                         lambda err: engine_error(err, ENGINE, "in engine.train_batch", _setting(job)))
-    failed = [r.failure for r in results if r.failure is not None]
-    if failed:
-        raise failure_error(failed[0], ENGINE, "before train_batch", _setting(job))
-    return results
+class _DeepSpeedEngine(EngineRunner):
+    """What both ways into DeepSpeed share: one ``train_batch`` on as many ranks as stages."""
 
+    engine = ENGINE
+    rank_step = staticmethod(deepspeed_rank_step)
+    running, preparing = "in engine.train_batch", "before train_batch"
 
-def _setting(job: Job) -> str:
-    return f"n_microbatches={job.n_microbatches}, gradient_clipping=0"
+    def setting(self, job: Job, plan: Any) -> str:
+        return f"n_microbatches={job.n_microbatches}, gradient_clipping=0"
 
-
-def _merge(pipe: Pipe, results: list[DeepSpeedRankResult], n_microbatches: int) -> StepResult:
-    last = results[-1]
-    stage_grads = {r.stage: r.grads for r in results if r.stage is not None}
-    grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
-    buffers: dict[str, torch.Tensor] = {}
-    for result in results:  # in stage order: a buffer several stages hold is the last one's
-        buffers.update(result.buffers)
-    input_grads = {name: merge_microbatches(chunks) for name, chunks in results[0].input_grads.items()
-                   if len(chunks) == n_microbatches}
-    timings = {f"deepspeed_{key}": max(r.timings.get(key, 0.0) for r in results) for key in last.timings}
-    return StepResult(outputs=merge_microbatches(last.outputs), loss=last.loss, grads=grads,
-                      input_grads=input_grads, buffers=buffers, timings=timings,
-                      stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)], replica_grads=replicas,
-                      boundaries={key: value for r in results for key, value in r.boundaries.items()})
+    def merge(self, job: Job, pipe: Pipe, plan: Any, reports: Sequence[DeepSpeedRankResult]) -> StepResult:
+        last = reports[-1]
+        input_grads = {name: merge_microbatches(chunks) for name, chunks in reports[0].input_grads.items()
+                       if len(chunks) == job.n_microbatches}
+        return merge_reports(pipe, reports, outputs=merge_microbatches(last.outputs), loss=last.loss,
+                             input_grads=input_grads, timing_prefix="deepspeed")
 
 
 # --- runner="deepspeed": pipecheck's split --------------------------------------------------------------
 
 
-class DeepSpeedRunner:
+class DeepSpeedRunner(_DeepSpeedEngine):
     """runner="deepspeed": pipecheck's split of the job's model, each stage one DeepSpeed layer.
 
     ``spec`` is the rank side's recipe (:class:`SplitModelSpec`, or a subclass that lays the
@@ -132,14 +114,14 @@ class DeepSpeedRunner:
     """
 
     __name__ = "deepspeed"
+    label = "runner='deepspeed'"
 
     def __init__(self, spec: type[SplitModelSpec] = SplitModelSpec) -> None:
         self.spec = spec
 
-    def __call__(self, job: Job) -> StepResult:
-        _check_job(job, "runner='deepspeed'")
-        pipe = job.structure()
-        bound = pipe.bind_inputs(job.args, job.kwargs)
+    def plan(self, job: Job, pipe: Pipe) -> SplitModelSpec:
+        _check_job(job, self.label)
+        bound = job.bound
         layout = split_layout(pipe, bound)
         if not layout.feed:
             raise InputError("runner='deepspeed' needs a model input with a batch dimension: DeepSpeed's data "
@@ -154,10 +136,12 @@ class DeepSpeedRunner:
                              "requires_grad=False (detach()), or check them with runner='distributed'.")
         layout, problems = _split_problems(job, layout)
         _refuse(problems, f"{pipe.model_name} as pipecheck splits it")
-        spec = self.spec(job.model, job.split_spec, job.policy, pipe.tracer, job.args, dict(job.kwargs),
+        return self.spec(job.model, job.split_spec, job.policy, pipe.tracer, job.args, dict(job.kwargs),
                          job.loss_fn, job.target, job.n_microbatches, wanted, dict(layout.scalars),
                          record=job.boundaries is not None)
-        return _merge(pipe, _run(job, pipe.num_stages, spec, "runner='deepspeed'"), job.n_microbatches)
+
+    def n_ranks(self, job: Job, pipe: Pipe, plan: Any) -> int:
+        return pipe.num_stages
 
 
 def _requires_grad(value: Any) -> bool:
@@ -173,7 +157,7 @@ def _split_problems(job: Job, layout: SplitLayout) -> tuple[SplitLayout, list[Bo
     """One micro-batch through pipecheck's layer chain in this process: first to learn which
     boundary values are Python numbers (carried as 0-dim tensors), then as DeepSpeed passes values."""
     pipe = dataclasses.replace(job, boundaries=None).split()  # a private copy (the dry runs update its buffers)
-    bound = pipe.bind_inputs(job.args, job.kwargs)
+    bound = job.bound
     constants = {name: unwrap_replicated(bound[name]) for name in layout.constants}
     first = split_microbatches({name: bound[name] for name in layout.feed}, job.n_microbatches)[0]
     value: Any = tuple(first[name] for name in layout.feed)
@@ -215,7 +199,7 @@ def build_layer_list(layers: Sequence[Any], parts: Sequence[int]) -> LayerListMo
     return LayerListModel(copy.deepcopy(list(layers)), parts)
 
 
-class DeepSpeedLayersRunner:
+class DeepSpeedLayersRunner(_DeepSpeedEngine):
     """A runner for a user's DeepSpeed layer list; the job's model must be its :class:`LayerListModel`.
 
         runner = DeepSpeedLayersRunner(layers, num_stages=2)
@@ -223,6 +207,7 @@ class DeepSpeedLayersRunner:
     """
 
     __name__ = "deepspeed"
+    label = "DeepSpeed's PipelineEngine"
 
     def __init__(self, layers: Sequence[Any], num_stages: int, partition_method: str = "parameters") -> None:
         self.layers = list(layers)
@@ -243,9 +228,8 @@ class DeepSpeedLayersRunner:
         """The layers DeepSpeed builds: the user's, as given."""
         return self.layers
 
-    def __call__(self, job: Job) -> StepResult:
-        _check_job(job, "DeepSpeed's PipelineEngine")
-        pipe = job.structure()
+    def plan(self, job: Job, pipe: Pipe) -> LayerListSpec:
+        _check_job(job, self.label)
         reference = job.build_model()
         if not isinstance(reference, LayerListModel):
             raise InputError("DeepSpeedLayersRunner checks a layer list against its LayerListModel; use "
@@ -256,10 +240,12 @@ class DeepSpeedLayersRunner:
         stages = [_layer_range(reference, start, stop) for start, stop in zip(self.parts, self.parts[1:])]
         _refuse(boundary_problems(stages, split_microbatches(inputs, job.n_microbatches)[0],
                                   lambda outputs: loss_of(0, outputs)), "this layer list")
-        spec = LayerListSpec(pickle.dumps(list(self.engine_layers())), self.keys, self.partition_method,
+        return LayerListSpec(pickle.dumps(list(self.engine_layers())), self.keys, self.partition_method,
                              self.parts, state, inputs, job.loss_fn, job.target, job.n_microbatches,
                              record=job.boundaries is not None)
-        return _merge(pipe, _run(job, self.num_stages, spec, "DeepSpeed's PipelineEngine"), job.n_microbatches)
+
+    def n_ranks(self, job: Job, pipe: Pipe, plan: Any) -> int:
+        return self.num_stages
 
 
     def reference_boundaries(self, job: Job) -> tuple[Boundaries, dict[tuple[int, str], int | None]]:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._core.result import RankReport
 from pipecheck._runners.deepspeed.layers import (
     PipeStageLayer,
     SplitLayout,
@@ -46,13 +47,13 @@ from pipecheck._runners.deepspeed.layers import (
     pass_through,
     split_layout,
 )
-from pipecheck._runtime.boundaries import Boundaries, BoundaryKey, instrument, instrument_module
+from pipecheck._runners.rank_side import prepare_together
+from pipecheck._runtime.boundaries import Boundaries, instrument, instrument_module
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import split_microbatches, unwrap_replicated
 from pipecheck._split.model_factory import ModelFactory
 from pipecheck._split.pipe import Pipe, Source, split
-from pipecheck._world.worker import RankContext, any_rank
-from pipecheck.errors import RankError
+from pipecheck._world.worker import RankContext
 from pipecheck.losses import LossFn, MicrobatchLoss
 from pipecheck.policies import Policy
 
@@ -82,19 +83,12 @@ class EngineSetup:
 
 
 @dataclass
-class DeepSpeedRankResult:
-    """One rank's share of the step (CPU tensors only), or why it could not start."""
+class DeepSpeedRankResult(RankReport):
+    """One rank's share of the step (CPU tensors only; one stage per rank), or why it could not start."""
 
-    rank: int
-    stage: int | None = None
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # this stage's, by FQN
     outputs: list[Any] = field(default_factory=list)  # last stage: per micro-batch, in order
     loss: torch.Tensor | None = None  # what train_batch returned
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    input_grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    failure: RankError | None = None
-    boundaries: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)  # when the spec says record
+    input_grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # first stage: per micro-batch
 
 
 class RecordingLoss:
@@ -188,22 +182,20 @@ def deepspeed_rank_step(ctx: RankContext, spec: Any) -> DeepSpeedRankResult:
     """What every rank runs (top-level, so it pickles). ``spec.setup(ctx)`` builds the rank's
     :class:`EngineSetup`; a failure there is agreed on by all ranks and returned as data, so the
     World stays up. A failure inside DeepSpeed raises, and the World reports it."""
-    timings: dict[str, float] = {}
-    setup: EngineSetup | None = None
-    failure: RankError | None = None
-    try:
-        with _clock(timings, "import_s"):
+    stopped = DeepSpeedRankResult(ctx.rank)
+
+    def prepare() -> tuple[Any, EngineSetup]:
+        with _clock(stopped.timings, "import_s"):
             ctx.action = "import deepspeed"
             deepspeed = import_deepspeed()
         ctx.action = "prepare layers"
-        setup = spec.setup(ctx)
-    except Exception as err:
-        failure = RankError.from_exception(err, ctx.rank, ctx.stage, ctx.action)
-    if any_rank(ctx, setup is None):
-        return DeepSpeedRankResult(ctx.rank, failure=failure, timings=timings)
-    assert setup is not None
-    result = _train_batch(ctx, deepspeed, setup)
-    result.timings.update(timings)
+        return deepspeed, spec.setup(ctx)
+
+    prepared = prepare_together(ctx, stopped, prepare)
+    if prepared is None:
+        return stopped
+    result = _train_batch(ctx, *prepared)
+    result.timings.update(stopped.timings)
     return result
 
 
@@ -219,7 +211,7 @@ def _clock(timings: dict[str, float], key: str) -> Iterator[None]:
 def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSpeedRankResult:
     from deepspeed.pipe import PipelineModule
 
-    result = DeepSpeedRankResult(ctx.rank, stage=ctx.rank)
+    result = DeepSpeedRankResult(ctx.rank, stage_grads={ctx.rank: {}})
     ctx.stage = ctx.rank
     groups_before = set(dist.distributed_c10d._world.pg_map)
     with _clock(result.timings, "build_s"), _local_rank(ctx.rank):  # DeepSpeed reads LOCAL_RANK
@@ -237,7 +229,7 @@ def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSp
         names = {id(p): name for name, p in module.named_parameters()}
         # torch's SGD refuses an empty parameter list (a stage of parameter-free layers)
         optimizer = torch.optim.SGD(list(module.parameters()) or [nn.Parameter(torch.zeros(()))], lr=0.0)
-        optimizer.register_step_pre_hook(lambda opt, args, kwargs: result.grads.update(
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: result.stage_grads[ctx.rank].update(
             {setup.engine_fqn(names[id(p)]): p.grad.detach().cpu().clone() for group in opt.param_groups
              for p in group["params"] if id(p) in names and p.grad is not None}))
         ctx.action = "deepspeed.initialize"
@@ -252,7 +244,8 @@ def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSp
     result.loss = loss.detach().cpu().reshape(())
     recorded = sorted(setup.loss.outputs)
     result.outputs = [setup.loss.outputs[mb] for mb in recorded]
-    result.buffers = {setup.engine_fqn(name): b.detach().cpu().clone() for name, b in module.named_buffers()}
+    result.buffers = {ctx.rank: {setup.engine_fqn(name): b.detach().cpu().clone()
+                                 for name, b in module.named_buffers()}}
     result.input_grads = setup.input_grads(module)
     if setup.recorder is not None:
         result.boundaries = setup.recorder.exported()

@@ -10,7 +10,6 @@ the ranks' results into one :class:`StepResult` keyed by original FQNs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +18,8 @@ import torch.utils._pytree as pytree
 
 from pipecheck._core.result import StepResult
 from pipecheck._runners.arguments import check_arguments, plain
-from pipecheck._runners.base import merge_stage_grads, run_on_world, world_for
+from pipecheck._runners.base import run_on_world
+from pipecheck._runners.engine import EngineRunner, merge_reports
 from pipecheck._runners.job import Job
 from pipecheck._runtime.executor import RankResult, StepSpec, dependencies, rank_step
 from pipecheck._runtime.stage_step import InputGradKey, LeafGrads, merge_input_grads
@@ -63,41 +63,44 @@ def merge_rank_results(pipe: Pipe, results: Sequence[RankResult], n_microbatches
                        replicated: frozenset[str] = frozenset()) -> StepResult:
     outputs: dict[int, list[Any]] = {}
     losses: dict[int, torch.Tensor] = {}
-    stage_grads: dict[int, dict[str, torch.Tensor]] = {}
     input_grads: dict[InputGradKey, LeafGrads] = {}
-    stage_buffers: dict[int, dict[str, torch.Tensor]] = {}
     for result in results:
-        stage_buffers.update(result.buffers)
         outputs.update(result.outputs)
         losses.update(result.losses)
-        stage_grads.update(result.grads)
         input_grads.update(result.input_grads)
     merged = merge_microbatches([pytree.tree_unflatten(outputs[m], pipe.out_spec) for m in range(n_microbatches)])
-    grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
-    buffers: dict[str, torch.Tensor] = {}
-    for s in sorted(stage_buffers):  # a buffer several stages hold: the last stage's, which ran last
-        buffers.update(stage_buffers[s])
-    return StepResult(merged, torch.stack([losses[m] for m in range(n_microbatches)]).mean(), grads,
-                      merge_input_grads(input_grads, n_microbatches, replicated), buffers,
-                      stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
-                      replica_grads=replicas)
+    step = merge_reports(pipe, results, outputs=merged,
+                         loss=torch.stack([losses[m] for m in range(n_microbatches)]).mean(),
+                         input_grads=merge_input_grads(input_grads, n_microbatches, replicated))
+    step.events = [e for r in results for e in r.events]
+    return step
 
 
-def run_distributed(job: Job) -> StepResult:
+class DistributedRunner(EngineRunner):
     """The "distributed" runner: pipecheck's runtime on the job's World, or a shared one."""
-    pipe = job.structure()
-    schedule = plan_schedule(job, pipe)
-    world = world_for(job, schedule.n_ranks, ENGINE)
-    started = time.perf_counter()
-    results = run_on_world(world, rank_step, step_spec(job, schedule, pipe.tracer), job)
-    replicated = replicated_names(pipe.bind_inputs(job.args, job.kwargs))
-    result = merge_rank_results(pipe, results, job.n_microbatches, replicated)
-    result.timings["step_s"] = time.perf_counter() - started
-    result.events = [e for r in results for e in r.events]
-    result.boundaries = {key: value for r in results for key, value in r.boundaries.items()}
-    if job.trace_path:
-        write_chrome_trace(job.trace_path, result.events, schedule)
-    return result
+
+    __name__ = "distributed"
+    label = engine = ENGINE
+    rank_step = staticmethod(rank_step)
+
+    def plan(self, job: Job, pipe: Pipe) -> StepSpec:
+        return step_spec(job, plan_schedule(job, pipe), pipe.tracer)
+
+    def n_ranks(self, job: Job, pipe: Pipe, plan: StepSpec) -> int:
+        return plan.schedule.n_ranks
+
+    def run(self, world: World, plan: StepSpec, job: Job) -> list[Any]:
+        return run_on_world(world, rank_step, plan, job)  # pipecheck's own ranks: their errors as the World raises them
+
+    def merge(self, job: Job, pipe: Pipe, plan: StepSpec, reports: Sequence[RankResult]) -> StepResult:
+        replicated = replicated_names(job.bound)
+        step = merge_rank_results(pipe, reports, job.n_microbatches, replicated)
+        if job.trace_path:
+            write_chrome_trace(job.trace_path, step.events, plan.schedule)
+        return step
+
+
+run_distributed = DistributedRunner()
 
 
 def run_pipeline(world: World, model: Any, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,

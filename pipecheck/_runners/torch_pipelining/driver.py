@@ -48,21 +48,19 @@ as :class:`pipecheck.EngineError`: torch's message, then the rank and stage.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from pipecheck._core.result import StepResult
+from pipecheck._core.result import RankReport, StepResult
 from pipecheck._runners.base import (
     adapter_error,
-    merge_stage_grads,
-    ranks_needed,
-    run_engine,
     timeout_error,
-    world_for,
 )
+from pipecheck._runners.engine import EngineRunner, merge_reports
 from pipecheck._runners.job import Job
 from pipecheck._runners.torch_pipelining.rank import (
     TorchRankResult,
@@ -81,6 +79,7 @@ from pipecheck._split.markers import SplitPoint
 from pipecheck._split.microbatch import split_microbatches, unwrap_replicated
 from pipecheck._split.pipe import COMPUTE_OPS, Pipe
 from pipecheck._split.traced import normalize_split_spec
+from pipecheck._world.world import World
 from pipecheck.errors import (
     AdapterError,
     EngineError,
@@ -152,51 +151,39 @@ def plan_torch_step(job: Job, pipe: Pipe) -> TorchStepSpec:
                          layout.class_name, layout.stage_to_rank, record=job.boundaries is not None)
 
 
-def run_torch(job: Job) -> StepResult:
-    """The "torch" runner: one training step of ``job`` through torch.distributed.pipelining."""
-    pipe = job.structure()
-    spec = plan_torch_step(job, pipe)
-    world = world_for(job, ranks_needed(pipe.num_stages, job.stages_per_rank), "runner='torch'")
-    if world.properties.gpus_shared:
-        raise EngineError(
-            f"runner='torch' cannot run on {world!r}: its {world.world_size} ranks share "
-            f"{len(set(world.properties.devices))} GPU(s) and talk through gloo, and {ENGINE} sends CUDA "
-            "tensors straight to the process group, which gloo cannot read (every rank aborts). Fix: one GPU "
-            "per rank (NCCL), device='cpu', or runner='distributed' (pipecheck's runtime stages GPU tensors "
-            "through host memory).", engine=ENGINE)
-    results = run_engine(world, torch_rank_step, spec, job, lambda err: engine_error(err, job))
-    failed = [r.failure for r in results if r.failure is not None]
-    if failed:
-        raise _engine_error(failed[0], "before running the schedule", job)
-    unmapped = sorted({name for r in results for name in r.unmapped})
-    if unmapped:
-        raise EngineError(f"pipecheck could not map torch's stage parameters {unmapped} back to the model's "
-                          "parameter FQNs, so their gradients cannot be checked. This is a pipecheck "
-                          "limitation; please report it with the model.", engine=ENGINE)
-    return merge_results(pipe, results)
+class TorchRunner(EngineRunner):
+    """The "torch" runner: one training step of a job through torch.distributed.pipelining."""
+
+    __name__ = "torch"
+    label, engine = "runner='torch'", ENGINE
+    rank_step = staticmethod(torch_rank_step)
+
+    def plan(self, job: Job, pipe: Pipe) -> TorchStepSpec:
+        return plan_torch_step(job, pipe)
+
+    def check_world(self, job: Job, world: World) -> None:
+        if world.properties.gpus_shared:
+            raise EngineError(
+                f"runner='torch' cannot run on {world!r}: its {world.world_size} ranks share "
+                f"{len(set(world.properties.devices))} GPU(s) and talk through gloo, and {ENGINE} sends CUDA "
+                "tensors straight to the process group, which gloo cannot read (every rank aborts). Fix: one GPU "
+                "per rank (NCCL), device='cpu', or runner='distributed' (pipecheck's runtime stages GPU tensors "
+                "through host memory).", engine=ENGINE)
+
+    def world_failed(self, err: WorldError, job: Job, plan: Any) -> EngineError | AdapterError:
+        return engine_error(err, job)
+
+    def rank_failed(self, report: RankReport, job: Job, plan: Any) -> EngineError | AdapterError:
+        assert report.failure is not None
+        return _engine_error(report.failure, "before running the schedule", job)
+
+    def merge(self, job: Job, pipe: Pipe, plan: Any, reports: Sequence[TorchRankResult]) -> StepResult:
+        last = next(r for r in reports if r.losses)  # torch merges the outputs on the last stage's rank
+        return merge_reports(pipe, reports, outputs=last.outputs, loss=torch.stack(last.losses).mean(),
+                             input_grads={name: g for r in reports for name, g in r.input_grads.items()})
 
 
-def merge_results(pipe: Pipe, results: list[TorchRankResult]) -> StepResult:
-    outputs = next(r.outputs for r in results if r.losses)
-    losses = next(r.losses for r in results if r.losses)
-    stage_grads: dict[int, dict[str, torch.Tensor]] = {}
-    for result in results:
-        stage_grads.update(result.stage_grads)
-    grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
-    by_stage = {s: held for r in results for s, held in r.buffers.items()}
-    buffers: dict[str, torch.Tensor] = {}
-    for s in sorted(by_stage):  # a buffer several stages hold: the last stage's
-        buffers.update(by_stage[s])
-    return StepResult(
-        outputs=outputs,
-        loss=torch.stack(losses).mean(),
-        grads=grads,
-        input_grads={name: g for r in results for name, g in r.input_grads.items()},
-        buffers=buffers,
-        stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
-        replica_grads=replicas,
-        boundaries={key: value for r in results for key, value in r.boundaries.items()},
-    )
+run_torch = TorchRunner()
 
 
 def torch_reference_boundaries(job: Job) -> tuple[Boundaries, dict[tuple[int, str], int | None]]:

@@ -24,10 +24,16 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._core.result import RankReport
 from pipecheck._core.torch_warnings import torch_internal_warnings_ignored
+from pipecheck._runners.rank_side import (
+    OriginalName,
+    buffers_by_fqn,
+    grads_by_fqn,
+    prepare_together,
+)
 from pipecheck._runtime.boundaries import (
     Boundaries,
-    BoundaryKey,
     instrument_module,
     pause_for_metadata_probes,
 )
@@ -37,8 +43,8 @@ from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.markers import PIPE_SPLIT_OP, SplitPoint
 from pipecheck._split.microbatch import split_microbatches, unwrap_replicated
 from pipecheck._split.model_factory import ModelFactory
-from pipecheck._world.worker import RankContext, any_rank
-from pipecheck.errors import RankError, plural
+from pipecheck._world.worker import RankContext
+from pipecheck.errors import plural
 from pipecheck.losses import MicrobatchLoss
 
 
@@ -72,18 +78,12 @@ class TorchStepSpec:
 
 
 @dataclass
-class TorchRankResult:
+class TorchRankResult(RankReport):
     """One rank's share of the step (CPU tensors only), or why it could not start."""
 
-    rank: int
     outputs: Any = None  # merged by torch, on the rank holding the last stage
     losses: list[torch.Tensor] = field(default_factory=list)
-    stage_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # first stage's rank: model inputs
-    buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> after the step
-    unmapped: list[str] = field(default_factory=list)  # stage parameter names with no original FQN
-    failure: RankError | None = None  # this rank failed before communicating
-    boundaries: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)  # when the spec says record
 
 
 def _translate_markers(keep: bool, traced: list[fx.GraphModule] | None = None
@@ -130,37 +130,19 @@ def _alias_table(model: nn.Module, buffers: bool = False) -> tuple[dict[str, str
     return names, by_id
 
 
-def stage_buffers(stage_module: nn.Module, names: Mapping[str, str], by_id: Mapping[int, str]
-                  ) -> dict[str, torch.Tensor]:
-    """A torch stage's buffers after the step, by original FQN (those it cannot map are left out)."""
-    found: dict[str, torch.Tensor] = {}
-    for local, buffer in stage_module.named_buffers(remove_duplicate=False):
-        fqn = names.get(_CALL_SUFFIX.sub("", local)) or by_id.get(id(buffer))
-        if fqn is not None:
-            found[fqn] = buffer.detach().cpu().clone()
-    return found
-
-
 _CALL_SUFFIX = re.compile(r"@\d+")  # torch's name for a module's second call: "shared@1"
 
 
 def stage_grads(stage_module: nn.Module, names: Mapping[str, str], by_id: Mapping[int, str]
                 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """A torch stage's parameter gradients by original FQN; also the names that map to none."""
-    grads: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    unmapped = []
-    for local, param in stage_module.named_parameters(remove_duplicate=False):
-        if id(param) in seen or param.grad is None:
-            continue
-        seen.add(id(param))
-        fqn = names.get(_CALL_SUFFIX.sub("", local)) or by_id.get(id(param))
-        if fqn is None:
-            unmapped.append(local)
-            continue
-        grad = param.grad.detach().cpu()
-        grads[fqn] = grads[fqn] + grad if fqn in grads else grad  # one module called twice in a stage
-    return grads, unmapped
+    return grads_by_fqn(stage_module, original_fqn(names, by_id))
+
+
+def original_fqn(names: Mapping[str, str], by_id: Mapping[int, str]) -> OriginalName:
+    """How a torch stage's parameter or buffer name maps to the model's FQN: by its name without the
+    call suffix torch adds, else by the tensor's identity (an alias torch names its own way)."""
+    return lambda local, tensor: names.get(_CALL_SUFFIX.sub("", local)) or by_id.get(id(tensor))
 
 
 def _non_last_outputs(split_gm: fx.GraphModule, n_stages: int) -> list[tuple[int, int]]:
@@ -375,22 +357,13 @@ def _step(ctx: RankContext, prep: _Prepared) -> TorchRankResult:
     for stage in prep.stages:
         result.stage_grads[stage.stage_index], unmapped = stage_grads(stage.submod, prep.names, prep.by_id)
         result.unmapped += unmapped
-        result.buffers[stage.stage_index] = stage_buffers(stage.submod, *prep.buffer_names)
+        result.buffers[stage.stage_index] = buffers_by_fqn(stage.submod, original_fqn(*prep.buffer_names))
     return result
 
 
 def torch_rank_step(ctx: RankContext, spec: TorchStepSpec) -> TorchRankResult:
     """What every rank runs (top-level, so it pickles). A failure while preparing is returned as data
     once every rank agreed to stop; a failure inside torch's step raises, and the World reports it."""
-    prepared: _Prepared | None = None
-    failure: RankError | None = None
-    try:
-        prepared = _prepare(ctx, spec)
-    except Exception as err:
-        failure = RankError.from_exception(err, ctx.rank, ctx.stage, ctx.action)
-    # A failure before any communication is agreed on, so no rank waits for a peer that gave up
-    # and the World's processes stay up; the failing ranks say why.
-    if any_rank(ctx, prepared is None):
-        return TorchRankResult(ctx.rank, failure=failure)
-    assert prepared is not None
-    return _step(ctx, prepared)
+    stopped = TorchRankResult(ctx.rank)
+    prepared = prepare_together(ctx, stopped, lambda: _prepare(ctx, spec))
+    return stopped if prepared is None else _step(ctx, prepared)

@@ -29,15 +29,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._core.result import StepResult
+from pipecheck._core.result import RankReport, StepResult
 from pipecheck._runners.base import (
-    engine_error,
-    failure_error,
-    merge_stage_grads,
     ranks_needed,
-    run_engine,
-    world_for,
 )
+from pipecheck._runners.engine import EngineRunner, merge_reports
 from pipecheck._runners.job import Job
 from pipecheck._runners.torch_pipelining.rank import restructure
 from pipecheck._runners.torchtitan.rank import (
@@ -49,15 +45,12 @@ from pipecheck._runners.torchtitan.rank import (
     titan_rank_step,
 )
 from pipecheck._runtime.boundaries import Boundaries, chain_producers
+from pipecheck._schedule.names import SCHEDULES, schedule_named
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import Replicated, split_microbatches
 from pipecheck._split.pipe import Pipe
 from pipecheck.errors import EngineError, InputError
 from pipecheck.losses import MicrobatchLoss
-
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "interleaved_1f1b": "Interleaved1F1B",
-             "looped_bfs": "LoopedBFS", "zb": "InterleavedZeroBubble", "interleaved_zb": "InterleavedZeroBubble",
-             "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}  # pipecheck's names (and runner="torch"'s)
 
 
 def titan_schedule(schedule: Any, stages_per_rank: int) -> str:
@@ -65,15 +58,18 @@ def titan_schedule(schedule: Any, stages_per_rank: int) -> str:
     if not isinstance(schedule, str):
         raise InputError(f"runner='torchtitan' takes a schedule name, not {type(schedule).__name__}: torchtitan "
                          "builds its own schedule.")
-    key = schedule.strip().lower().replace("-", "_")
-    if key == "gpipe" and stages_per_rank > 1:
-        return "LoopedBFS"  # torch's GPipe order with several stages per rank
-    return SCHEDULES.get(key, schedule)
+    entry = schedule_named(schedule)
+    if entry is None:
+        return schedule  # torchtitan's own name for one of its schedules, or its refusal
+    if entry.key == "gpipe" and stages_per_rank > 1:
+        return SCHEDULES["looped_bfs"].torchtitan  # torch's GPipe order with several stages per rank
+    return entry.torchtitan
 
 
 def stage_owner(stage: int, n_stages: int, n_ranks: int, schedule: str) -> int:
     """The rank torchtitan places ``stage`` on: round robin, or a "V" for ZBVZeroBubble and DualPipeV."""
-    if schedule in ("ZBVZeroBubble", "DualPipeV") and stage >= n_ranks:
+    v_shaped = any(entry.placement == "v" and entry.torchtitan == schedule for entry in SCHEDULES.values())
+    if v_shaped and stage >= n_ranks:
         return n_stages - 1 - stage
     return stage % n_ranks
 
@@ -159,7 +155,7 @@ def name_problems(model: nn.Module, names: Sequence[Sequence[str]]) -> list[str]
     return problems
 
 
-class TorchtitanRunner:
+class TorchtitanRunner(EngineRunner):
     """runner="torchtitan"; ``module_names_per_stage`` given here must agree with the job's cut.
 
     ``scale_loss=False`` leaves each micro-batch's loss undivided, as torchtitan's schedules take it
@@ -168,6 +164,8 @@ class TorchtitanRunner:
     """
 
     __name__ = "torchtitan"
+    label, engine = "runner='torchtitan'", ENGINE
+    rank_step = staticmethod(titan_rank_step)
 
     def __init__(self, module_names_per_stage: Sequence[Sequence[str]] | None = None, *,
                  scale_loss: bool = True) -> None:
@@ -177,7 +175,7 @@ class TorchtitanRunner:
     def plan(self, job: Job, pipe: Pipe) -> TitanStepSpec:
         if str(job.device) != "cpu":
             raise InputError(f"runner='torchtitan' runs on CPU (gloo) here; device={job.device!r} is not checked.")
-        replicated = [name for name, value in pipe.bind_inputs(job.args, job.kwargs).items()
+        replicated = [name for name, value in job.bound.items()
                       if isinstance(value, Replicated)]
         if replicated:
             raise InputError(f"runner='torchtitan' cannot take pc.Replicated inputs ({replicated}): torchtitan's "
@@ -229,50 +227,26 @@ class TorchtitanRunner:
             (loss_of(mb, restructure(value, spec.out_spec)) / n).backward()
         return truth, chain_producers(truth.values)
 
-    def __call__(self, job: Job) -> StepResult:
-        pipe = job.structure()
-        spec = self.plan(job, pipe)
-        world = world_for(job, ranks_needed(pipe.num_stages, job.stages_per_rank), "runner='torchtitan'")
-        setting = f"schedule {spec.schedule!r}, n_microbatches={job.n_microbatches}, module_names_per_stage=" \
-                  f"{[list(s) for s in spec.module_names]}"
-        results = run_engine(world, titan_rank_step, spec, job,
-                             lambda err: engine_error(err, ENGINE, "in schedule.step", setting))
-        refused = next((r.refusal for r in results if r.refusal is not None), None)
+    def setting(self, job: Job, plan: TitanStepSpec) -> str:
+        return (f"schedule {plan.schedule!r}, n_microbatches={job.n_microbatches}, module_names_per_stage="
+                f"{[list(s) for s in plan.module_names]}")
+
+    def raise_reported(self, job: Job, plan: TitanStepSpec, reports: Sequence[RankReport]) -> None:
+        refused = next((r.refusal for r in reports if isinstance(r, TitanRankResult) and r.refusal is not None), None)
         if refused is not None:
             raise EngineError(f"{refused.message}\n{ENGINE} refused before running: stage {refused.stage} (rank "
-                              f"{refused.rank}); {setting}.", engine=ENGINE, rank=refused.rank,
+                              f"{refused.rank}); {self.setting(job, plan)}.", engine=ENGINE, rank=refused.rank,
                               stage=refused.stage)
-        failed = next((r.failure for r in results if r.failure is not None), None)
-        if failed is not None:
-            raise failure_error(failed, ENGINE, "before running the schedule", setting)
-        unmapped = sorted({name for r in results for name in r.unmapped})
-        if unmapped:
-            raise EngineError(f"pipecheck could not map torchtitan's stage parameters {unmapped} back to the "
-                              "model's FQNs, so their gradients cannot be checked.", engine=ENGINE)
-        return merge_results(pipe, results)
+        super().raise_reported(job, plan, reports)
 
-
-def merge_results(pipe: Pipe, results: list[TitanRankResult]) -> StepResult:
-    last = next(r for r in results if r.losses)
-    stage_grads: dict[int, dict[str, torch.Tensor]] = {}
-    by_stage: dict[int, dict[str, torch.Tensor]] = {}
-    for result in results:
-        stage_grads.update(result.stage_grads)
-        by_stage.update(result.buffers)
-    grads, replicas = merge_stage_grads(stage_grads, pipe.tied_groups)
-    buffers: dict[str, torch.Tensor] = {}
-    for s in sorted(by_stage):  # a buffer pipecheck places on a stage: that stage's copy
-        buffers.update({fqn: b for fqn, b in by_stage[s].items() if s in pipe.buffer_stages(fqn)})
-    input_grads: dict[str, torch.Tensor] = {}
-    for result in results:  # a keyword input used on several ranks: the sum of their shares
-        for name, grad in result.input_grads.items():
-            input_grads[name] = input_grads[name] + grad if name in input_grads else grad
-    timings = {f"torchtitan_{key}": max(r.timings.get(key, 0.0) for r in results) for key in last.timings}
-    return StepResult(outputs=last.outputs, loss=torch.stack(last.losses).mean(), grads=grads,
-                      input_grads=input_grads, buffers=buffers,
-                      timings=timings, stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
-                      replica_grads=replicas,
-                      boundaries={key: value for r in results for key, value in r.boundaries.items()})
+    def merge(self, job: Job, pipe: Pipe, plan: Any, reports: Sequence[TitanRankResult]) -> StepResult:
+        last = next(r for r in reports if r.losses)
+        input_grads: dict[str, torch.Tensor] = {}
+        for report in reports:  # a keyword input used on several ranks: the sum of their shares
+            for name, grad in report.input_grads.items():
+                input_grads[name] = input_grads[name] + grad if name in input_grads else grad
+        return merge_reports(pipe, reports, outputs=last.outputs, loss=torch.stack(last.losses).mean(),
+                             input_grads=input_grads, timing_prefix="torchtitan", placed_buffers=True)
 
 
 # The "torchtitan" runner, module names derived from the job's cut.

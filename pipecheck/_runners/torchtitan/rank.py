@@ -34,18 +34,23 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._core.result import RankReport
+from pipecheck._runners.rank_side import (
+    OriginalName,
+    buffers_by_fqn,
+    grads_by_fqn,
+    prepare_together,
+)
 from pipecheck._runners.torch_pipelining.rank import restructure
 from pipecheck._runtime.boundaries import (
     Boundaries,
-    BoundaryKey,
     instrument_module,
     pause_for_metadata_probes,
 )
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import split_microbatches
 from pipecheck._split.model_factory import ModelFactory
-from pipecheck._world.worker import RankContext, any_rank
-from pipecheck.errors import RankError
+from pipecheck._world.worker import RankContext
 from pipecheck.losses import LossFn, MicrobatchLoss
 
 ENGINE = "torchtitan"
@@ -82,20 +87,13 @@ class Refusal:
 
 
 @dataclass
-class TitanRankResult:
+class TitanRankResult(RankReport):
     """One rank's share of the step (CPU tensors only), or why it did not run."""
 
-    rank: int
     outputs: Any = None
     losses: list[torch.Tensor] = field(default_factory=list)  # unscaled, per micro-batch (last stage)
-    stage_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    unmapped: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
     refusal: Refusal | None = None
-    failure: RankError | None = None
-    boundaries: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)  # when the spec says record
 
 
 def instrument_part(part: nn.Module, stage: int, first_inputs: Sequence[str], recorder: Boundaries) -> None:
@@ -275,15 +273,17 @@ def _build(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared) -> None:
 def titan_rank_step(ctx: RankContext, spec: TitanStepSpec) -> TitanRankResult:
     """What every rank runs (top-level, so it pickles)."""
     result = TitanRankResult(ctx.rank)
-    prepared: _Prepared | Refusal | None = None
-    try:
+
+    def prepare() -> _Prepared | None:
         prepared = _prepare(ctx, spec, result.timings)
-    except Exception as err:
-        result.failure = RankError.from_exception(err, ctx.rank, ctx.stage, ctx.action)
-    if any_rank(ctx, not isinstance(prepared, _Prepared)):
-        result.refusal = prepared if isinstance(prepared, Refusal) else None
+        if isinstance(prepared, Refusal):
+            result.refusal = prepared
+            return None
+        return prepared
+
+    prepared = prepare_together(ctx, result, prepare)
+    if prepared is None:
         return result
-    assert isinstance(prepared, _Prepared)
     _build(ctx, spec, prepared)
     return _step(ctx, spec, prepared, result)
 
@@ -307,30 +307,15 @@ def _step(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared, result: TitanR
     result.input_grads = {name: value.grad.detach().cpu() for name, value in prep.named_inputs.items()
                           if isinstance(value, torch.Tensor) and value.grad is not None}
     for stage, part in zip(prep.stages, prep.parts):
-        original = original_names(prep.whole, spec.module_names[stage.stage_index])
-        grads: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for local, param in part.named_parameters(remove_duplicate=False):
-            if id(param) in seen or param.grad is None:
-                continue
-            seen.add(id(param))
-            fqn = original(local)
-            if fqn is None:
-                result.unmapped.append(local)
-            else:
-                grads[fqn] = param.grad.detach().cpu()
-        result.stage_grads[stage.stage_index] = grads
-        result.buffers[stage.stage_index] = _buffers(part, original)
+        original = _by_local_name(original_names(prep.whole, spec.module_names[stage.stage_index]))
+        result.stage_grads[stage.stage_index], unmapped = grads_by_fqn(part, original)
+        result.unmapped += unmapped
+        result.buffers[stage.stage_index] = buffers_by_fqn(part, original)
     if prep.recorder is not None:
         result.boundaries = prep.recorder.exported()
     return result
 
 
-def _buffers(part: nn.Module, original: Callable[[str], str | None]) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for local, buffer in part.named_buffers():
-        fqn = original(local)
-        if fqn is not None:
-            found[fqn] = buffer.detach().cpu().clone()
-    return found
-
+def _by_local_name(names: Callable[[str], str | None]) -> OriginalName:
+    """torchtitan's stage modules are the model's own modules: a name alone finds the FQN."""
+    return lambda local, _tensor: names(local)

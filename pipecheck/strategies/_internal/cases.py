@@ -24,7 +24,7 @@ from hypothesis import reject
 from hypothesis import strategies as st
 
 from pipecheck._check.report import Report
-from pipecheck._runners.base import BUILTIN
+from pipecheck._runners.registry import BUILTIN
 from pipecheck._split.markers import SplitPoint
 from pipecheck._split.microbatch import Replicated
 from pipecheck.errors import PipecheckError, WorldStartError
