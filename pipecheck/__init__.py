@@ -48,13 +48,19 @@ _EXPORTS: dict[str, str] = {
     "TraceError": "pipecheck.errors",
     "World": "pipecheck._world.world",
     "WorldError": "pipecheck.errors",
+    "RankDiedError": "pipecheck.errors",
+    "RankFailedError": "pipecheck.errors",
+    "RankTimeoutError": "pipecheck.errors",
+    "TaskPickleError": "pipecheck.errors",
+    "UsageError": "pipecheck.errors",
+    "WorldStartError": "pipecheck.errors",
     "merge_microbatches": "pipecheck._split.microbatch",
     "pipe_split": "pipecheck._split.markers",
     "run_pipeline": "pipecheck._runners.runtime.driver",
     "split": "pipecheck._split.pipe",
     "split_microbatches": "pipecheck._split.microbatch",
 }
-_SUBMODULES = ("engines", "losses", "policies", "schedules", "strategies")
+_SUBMODULES = ("engines", "errors", "losses", "policies", "schedules", "strategies")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
@@ -75,7 +81,7 @@ def __dir__() -> list[str]:
 
 
 if typing.TYPE_CHECKING:
-    from pipecheck import engines, losses, policies, schedules, strategies
+    from pipecheck import engines, errors, losses, policies, schedules, strategies
     from pipecheck._check.equivalence import assert_equivalent
     from pipecheck._check.numerics import Tolerance
     from pipecheck._check.report import Report
@@ -98,8 +104,14 @@ if typing.TYPE_CHECKING:
         NonFiniteError,
         PipecheckError,
         PowerError,
+        RankDiedError,
+        RankFailedError,
+        RankTimeoutError,
         ScheduleError,
         SplitError,
+        TaskPickleError,
         TraceError,
+        UsageError,
         WorldError,
+        WorldStartError,
     )

@@ -135,3 +135,17 @@ def test_package_is_typed() -> None:
     from importlib.resources import files
 
     assert files("pipecheck").joinpath("py.typed").is_file()
+
+
+def test_the_whole_exception_family_is_public() -> None:
+    """Every exception pipecheck raises is on ``pc`` and in ``pc.errors`` (the RankError record a rank's
+    exception travels as is in ``pc.errors`` only: it is not an exception)."""
+    import inspect
+
+    from pipecheck import errors
+
+    family = sorted(name for name, value in vars(errors).items()
+                    if not name.startswith("_") and inspect.isclass(value) and issubclass(value, BaseException)
+                    and value.__module__ == errors.__name__)
+    assert [name for name in family if name not in pipecheck.__all__] == []
+    assert "errors" in pipecheck.__all__ and pipecheck.errors is errors
