@@ -685,3 +685,31 @@ def test_an_untraceable_model_whose_forward_fails_keeps_its_trace_error() -> Non
     with pytest.raises(pc.TraceError, match="neither tracer could trace FailsAndUntraceable"):
         pc.assert_equivalent(FailsAndUntraceable(random=False), (torch.randn(8, 4),), runner="reference",
                              n_microbatches=2)
+
+
+def test_a_runner_s_check_split_refuses_the_split_before_any_eager_work() -> None:
+    """The Runner protocol's early refusal: ``check_split(pipe)`` runs on the check's split before the
+    eager step (so a split the engine cannot run costs no eager, float64 or runner time)."""
+    losses: list[int] = []
+
+    def counted_loss(out: torch.Tensor, target: Any) -> torch.Tensor:
+        losses.append(1)
+        return out.sum()
+
+    class RefusesTwoStages:
+        __name__ = "refuses_two_stages"
+
+        def check_split(self, pipe: pc.Pipe) -> None:
+            raise pc.InputError(f"{pipe.num_stages} stages: refused")
+
+        def __call__(self, job: pc.Job) -> pc.StepResult:
+            raise AssertionError("a refused split never reaches the runner")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.raises(pc.InputError, match="2 stages: refused"):
+        pc.assert_equivalent(model, (torch.randn(8, 4),), split_spec={"2": pc.SplitPoint.BEGINNING},
+                             loss_fn=counted_loss, runner=RefusesTwoStages(), n_microbatches=2)
+    assert losses == []
+    assert pc.assert_equivalent(model, (torch.randn(8, 4),), split_spec={"2": pc.SplitPoint.BEGINNING},
+                                loss_fn=counted_loss, runner="reference", n_microbatches=2).ok
+    assert losses  # the same check without the refusal computes losses

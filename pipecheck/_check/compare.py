@@ -30,7 +30,6 @@ from pipecheck._check.diagnose import (
 from pipecheck._check.eager import output_name
 from pipecheck._check.localise import ReferenceByMicrobatch
 from pipecheck._check.numerics import Row, ToleranceLike, compare, judge_power
-from pipecheck._check.report import row_kind
 from pipecheck._core.result import StepResult
 from pipecheck._runners.job import Job
 from pipecheck._runtime.reference import DetachExecutor
@@ -258,7 +257,7 @@ def _diagnose_microbatch_weights(job: Job, result: StepResult, rows: list[Row], 
     """Failing gradients with no hint yet: fit each as a weighted sum of the micro-batches' own eager
     gradients, and say what the weights mean (one more reference run, only on failure)."""
     failing = [row.name.removeprefix("grad ") for row in rows
-               if row_kind(row.name) == "grads" and not row.ok and row.numel and row.name not in hints
+               if row.kind == "grads" and not row.ok and row.numel and row.name not in hints
                and isinstance(result.grads.get(row.name.removeprefix("grad ")), torch.Tensor)]
     if not failing or job.n_microbatches < 2:
         return

@@ -34,13 +34,12 @@ from pipecheck._check.eager import (
 )
 from pipecheck._check.localise import ReferenceByMicrobatch, locate, not_located
 from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_tolerance
-from pipecheck._check.report import Report, percent, row_kind
+from pipecheck._check.report import Report, percent
 from pipecheck._check.truth64 import float64_truth
 from pipecheck._core.result import StepResult
 from pipecheck._runners.arguments import check_arguments, plain
-from pipecheck._runners.base import BUILTIN, run_reference
 from pipecheck._runners.job import Job, Runner
-from pipecheck._runners.registry import OPTIONAL
+from pipecheck._runners.registry import RUNNERS, runner_named
 from pipecheck._split.inputs import prepare_inputs
 from pipecheck._split.model_factory import ModelFactory, refuse_unreproducible, seeded
 from pipecheck._split.pipe import split_module
@@ -65,23 +64,14 @@ if TYPE_CHECKING:
 
 def resolve_runner(runner: Any) -> tuple[str, Runner]:
     """``(name, runner)`` for a built-in runner's name or a user's callable."""
-    if runner == "reference":
-        return "reference", run_reference
-    if isinstance(runner, str) and runner in ("distributed", "torch", *OPTIONAL):
-        refuse_unguarded_main()  # before the eager runs: a rank re-importing an unguarded script stops here
-    if runner == "distributed":
-        from pipecheck._runners.runtime.driver import run_distributed
-
-        return "distributed", run_distributed
-    if runner == "torch":
-        from pipecheck._runners.torch_pipelining.driver import run_torch
-
-        return "torch", run_torch
-    if isinstance(runner, str) and runner in OPTIONAL:
-        return runner, OPTIONAL[runner].load()
+    entry = runner_named(runner)
+    if entry is not None:
+        if entry.on_world:
+            refuse_unguarded_main()  # before the eager runs: a rank re-importing an unguarded script stops here
+        return str(runner).strip(), entry.load()
     if callable(runner):
         return getattr(runner, "__name__", type(runner).__name__), runner
-    raise InputError(f"runner={runner!r} is not known. Fix: use one of {[*BUILTIN, *OPTIONAL]} or a callable "
+    raise InputError(f"runner={runner!r} is not known. Fix: use one of {list(RUNNERS)} or a callable "
                      "runner(job: pc.Job) -> pc.StepResult.")
 
 
@@ -152,6 +142,9 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         except TraceError:  # a random model (its own Generator: torch < 2.13 cannot trace one) is refused
             refuse_random(built, inputs, n_microbatches, seed)  # as random, the reason that matters
             raise
+    check_split = getattr(run, "check_split", None)
+    if check_split is not None:  # a runner's refusal of this split, before any eager work
+        check_split(pipe)
     initial_buffers = {name: b.detach().clone() for name, b in built.named_buffers()}
     with clock("eager_s"), seeded(seed), buffers_kept(built):  # the user's RNG: untouched
         eager, target_used = eager_step(built, inputs, loss_fn, n_microbatches, check_grads)
@@ -195,7 +188,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
             try:
                 report.first_divergence, report.located = locate(
                     lambda: dataclasses.replace(job, **_fresh(inputs)), run, runner_name,
-                    {row_kind(row.name) for row in report.failures}, reference)
+                    {row.kind for row in report.failures}, reference)
             except Exception as err:  # a diagnosis that fails (out of memory) never hides the verdict
                 report.located = not_located("locating it failed", err)
         report.timings["locate_s"] = timings["locate_s"]

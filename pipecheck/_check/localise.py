@@ -14,7 +14,6 @@ runner has it (torch's by name).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Collection
 
@@ -54,8 +53,7 @@ class ReferenceByMicrobatch:
         if self._made is None:
             job, truth = self.job, Boundaries()
             # the check's own split, its buffers put back after (a run changes only buffers): no copy to make
-            with (job.pipe.buffers_restored() if job.pipe is not None else contextlib.nullcontext(job.split())
-                  ) as pipe, recording(pipe, truth):
+            with job.structure().buffers_restored() as pipe, recording(pipe, truth):
                 shares = DetachExecutor(pipe).microbatch_grads(job.args, job.kwargs, loss_fn=job.loss_fn,
                                                                target=job.target, n_microbatches=job.n_microbatches)
             self._made = shares, truth

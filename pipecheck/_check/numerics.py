@@ -95,6 +95,26 @@ class Row:
     eager_off: float | None = None  # under "auto": eager's own error against fp64, as a fraction of the scale
     blind: bool = False  # set by judge_power: power above POWER_LIMIT on a tensor that is not negligible
     numerically_zero: bool = False  # set by judge_power: tiny beside the largest of its kind (see there)
+    kind: str = ""  # one of KINDS, set by whoever compares; a row made by hand (a test's) gets its name's
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            object.__setattr__(self, "kind", kind_of_name(self.name))
+        if self.kind not in KINDS:
+            raise ValueError(f"Row kind {self.kind!r} is not one of {KINDS}")
+
+
+KINDS = ("outputs", "loss", "buffers", "grads")  # in dataflow order: what the forward gives, then the step's
+
+
+def kind_of_name(name: str) -> str:
+    """The kind a row's name says (``output...``, ``loss``, ``buffer ...``, ``grad ...``), for rows made
+    by hand; the comparison sets each row's kind itself."""
+    if name.startswith("grad "):
+        return "grads"
+    if name.startswith("buffer "):
+        return "buffers"
+    return "loss" if name == "loss" else "outputs"
 
 
 def _failing_row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], note: str, tol: str) -> Row:
@@ -102,11 +122,19 @@ def _failing_row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], not
 
 
 def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLike,
-            stages: tuple[int, ...] = (), microbatches: int = 0, truth_error: torch.Tensor | None = None) -> Row:
-    """One row of the report; ``ref64`` is only read under ``"auto"``. With ``microbatches`` > 1 (an
-    output merged from that many equal micro-batch slices along dim 0), a failing row also names the
-    micro-batches whose slice holds a failing element. ``truth_error``: how far ``ref64`` itself may
-    be off, element by element (a truth that ran an op in float32); "auto" adds it to eager's error."""
+            stages: tuple[int, ...] = (), microbatches: int = 0, truth_error: torch.Tensor | None = None,
+            kind: str = "") -> Row:
+    """One row of the report, of ``kind`` (one of KINDS; by default what its name says); ``ref64``
+    is only read under ``"auto"``. With ``microbatches`` > 1 (an output merged from that many equal
+    micro-batch slices along dim 0), a failing row also names the micro-batches whose slice holds a
+    failing element. ``truth_error``: how far ``ref64`` itself may be off, element by element (a truth
+    that ran an op in float32); "auto" adds it to eager's error."""
+    row = _compare(name, test, eager, ref64, tolerance, stages, microbatches, truth_error)
+    return dataclasses.replace(row, kind=kind or row.kind)
+
+
+def _compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLike,
+             stages: tuple[int, ...], microbatches: int, truth_error: torch.Tensor | None) -> Row:
     tol_text = "exact" if tolerance == "exact" else str(tolerance)
     if not isinstance(eager, torch.Tensor):
         try:
@@ -129,9 +157,8 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
         error = (torch.view_as_real(truth_error.resolve_conj()) if isinstance(truth_error, torch.Tensor) and truth_error.is_complex()
                  else truth_error if isinstance(truth_error, torch.Tensor) and truth_error.shape == (*shape, 2)
                  else None)  # pipecheck._check.truth64 gives it as (real, imaginary) pairs
-        row = compare(name, torch.view_as_real(test.detach().resolve_conj()),  # a conjugate view: resolved
-                      torch.view_as_real(eager.detach().resolve_conj()), real, tolerance,
-                      stages, truth_error=error)
+        row = _compare(name, torch.view_as_real(test.detach().resolve_conj()),  # a conjugate view: resolved
+                       torch.view_as_real(eager.detach().resolve_conj()), real, tolerance, stages, 0, error)
         index = row.worst_index[:-1] if row.worst_index is not None else None  # the element, not its part
         return dataclasses.replace(row, shape=shape, worst_index=index)
     device = eager.device  # compared where eager's result lives: no copy to the host per tensor
@@ -202,11 +229,9 @@ def judge_power(rows: list[Row]) -> list[Row]:
     or more (eager cannot resolve it: a sum that cancels). A buffer never is (a mask buffer's huge fill
     value would excuse its neighbours). A row is blind when it is not numerically zero and its power is
     above POWER_LIMIT."""
-    from pipecheck._check.report import row_kind
-
     largest: dict[str, float] = {}
     for row in rows:
-        kind = row_kind(row.name)
+        kind = row.kind
         largest[kind] = max(largest.get(kind, 0.0), row.scale)
     largest["loss"] = max(largest.get("loss", 0.0), largest.get("outputs", 0.0))
     judged = []
@@ -214,7 +239,7 @@ def judge_power(rows: list[Row]) -> list[Row]:
         if row.power is None or not row.numel:
             judged.append(row)
             continue
-        kind = row_kind(row.name)
+        kind = row.kind
         zero = row.scale == 0 or (kind != "buffers" and row.scale < NEGLIGIBLE * largest[kind]
                                   and row.eager_off is not None and row.eager_off >= NOISE_LEVEL)
         judged.append(dataclasses.replace(row, numerically_zero=zero,

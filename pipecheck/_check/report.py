@@ -32,7 +32,6 @@ if TYPE_CHECKING:  # only named: the command line reads MAX_LINES without import
 
 HEADERS = ("tensor", "stage", "shape", "max abs", "max rel", "tolerance", "worst index", "failing")
 MAX_LINES = 40  # a report read whole at 2 a.m., and a test failure that does not scroll away
-KINDS = ("outputs", "loss", "buffers", "grads")  # in dataflow order: what the forward gives, then the step's
 
 
 def percent(fraction: float) -> str:
@@ -67,15 +66,6 @@ def _cells(row: Row) -> tuple[str, ...]:
     if row.failing_microbatches:
         failing += f" in mb {','.join(map(str, row.failing_microbatches))}"
     return (row.name, stages, shape, _num(row.max_abs), _num(row.max_rel), row.tolerance, worst, failing)
-
-
-def row_kind(name: str) -> str:
-    """Which of :data:`KINDS` a row is, by its name (``output...``, ``loss``, ``buffer ...``, ``grad ...``)."""
-    if name.startswith("grad "):
-        return "grads"
-    if name.startswith("buffer "):
-        return "buffers"
-    return "loss" if name == "loss" else "outputs"
 
 
 def _span(names: Sequence[str], order: Sequence[str]) -> str:
@@ -158,7 +148,7 @@ def pick_rows(failures: Sequence[Row], hints: Mapping[str, str], budget: int) ->
             first_of_hint.setdefault(hints[row.name], row)
         if row.stages not in worst_of_stage or worst(row) < worst(worst_of_stage[row.stages]):
             worst_of_stage[row.stages] = row
-    tiers = ([row for row in failures if row_kind(row.name) in ("outputs", "loss")], list(first_of_hint.values()),
+    tiers = ([row for row in failures if row.kind in ("outputs", "loss")], list(first_of_hint.values()),
              sorted(worst_of_stage.values(), key=lambda row: position[row.name]), sorted(failures, key=worst))
     chosen: set[str] = set()
     stated: set[str] = set()
@@ -182,10 +172,12 @@ def _counts(rows: Sequence[Row], key: str) -> str:
     total: Counter[str | int] = Counter()
     failing: Counter[str | int] = Counter()
     for row in rows:
-        for group in ((row_kind(row.name),) if key == "kind" else row.stages):
+        for group in ((row.kind,) if key == "kind" else row.stages):
             total[group] += 1
             failing[group] += not row.ok
     if key == "kind":
+        from pipecheck._check.numerics import KINDS
+
         return ", ".join(f"{kind} {failing[kind]} of {total[kind]}" for kind in KINDS if total[kind])
     return ", ".join(f"{stage}: {failing[stage]} of {total[stage]}" for stage in sorted(total, key=int))
 

@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from pipecheck._check.report import MAX_LINES, Report
@@ -92,14 +92,18 @@ def error_message(error: BaseException) -> str:
     return f"pipecheck: {kind}: {str(error).strip()}"
 
 
-def refusing_single_stage(name: str, runner: Any) -> Callable[[Any], Any]:
-    """``runner``, but a split of fewer than 2 stages is refused before it runs."""
-    from pipecheck._check.equivalence import resolve_runner
+class RefusingSingleStage:
+    """``runner``, but a split of fewer than 2 stages is refused as soon as the model is split, before
+    any eager work (``check_split``: the Runner protocol's early refusal)."""
 
-    _, run = resolve_runner(runner)
+    def __init__(self, name: str, runner: Any) -> None:
+        from pipecheck._check.equivalence import resolve_runner
 
-    def check_stages(job: Any) -> Any:
-        stages = job.structure().num_stages
+        self.__name__ = name
+        _, self.run = resolve_runner(runner)
+
+    def check_split(self, pipe: Any) -> None:
+        stages = pipe.num_stages
         if stages < 2:
             raise UsageError(
                 f"the model was cut into {plural(stages, 'stage')}, so the check would compare nothing a "
@@ -107,10 +111,10 @@ def refusing_single_stage(name: str, runner: Any) -> Callable[[Any], Any]:
                 "--stages N (N >= 2) or --split-spec FQN=BEGINNING; or pass --allow-single-stage to check "
                 "one stage anyway."
             )
-        return run(job)
+        getattr(self.run, "check_split", lambda pipe: None)(pipe)
 
-    check_stages.__name__ = check_stages.__qualname__ = name
-    return check_stages
+    def __call__(self, job: Any) -> Any:
+        return self.run(job)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -126,7 +130,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     elif args.stages:
         cut["policy"] = pc.policies.balanced_params(args.stages)
     if not args.allow_single_stage:
-        runner = refusing_single_stage(name, runner)
+        runner = RefusingSingleStage(name, runner)
     loss = loss_options(args)
     max_lines = None if args.verbose else MAX_LINES
     try:
