@@ -67,7 +67,7 @@ def nightly(session: nox.Session) -> None:
     torch version matrix (every supported torch: about an hour on 2 cores; it re-checks the release
     boundaries tests/_torch_findings.py assumes)."""
     session.install("-e", ".[test]", env=NO_CONSTRAINTS)
-    session.run("pytest", "-n", "auto", "tests/test_properties.py", *session.posargs,
+    session.run("pytest", "-n", "auto", "tests/strategies/test_properties.py", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "nightly"})
     session.run("pytest", "-n", "auto", "-m", "slow")  # e.g. two torchrun agents as two nodes
     for minor in TESTED_TORCH:  # notify("matrix") would queue only the first of them

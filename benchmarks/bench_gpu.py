@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 import pipecheck as pc
+
+# private: the runtime's stage executor timed without a World (one GPU), planned as the runner plans it
 from pipecheck._runners.runtime.driver import plan_schedule, step_spec
 from pipecheck._runtime.executor import StageExecutor
 from pipecheck._schedule.torch_classes import v_warmup_patch

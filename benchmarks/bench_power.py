@@ -43,9 +43,10 @@ except ImportError:  # run as a module from the repo root
 from pipecheck.fixtures import get  # noqa: E402
 
 import pipecheck as pc  # noqa: E402
+from pipecheck import DetachExecutor, split_microbatches  # noqa: E402
+
+# private: the reference runner's function, wrapped to plant bugs
 from pipecheck._runners.base import run_reference  # noqa: E402
-from pipecheck._runtime.reference import DetachExecutor  # noqa: E402
-from pipecheck._split.microbatch import split_microbatches  # noqa: E402
 
 
 class ChaoticTanh(nn.Module):

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from pipecheck.fixtures import get
 
 import pipecheck as pc
+
+# private: the runtime's step timed rank by rank, planned and merged as the runner does
 from pipecheck._runners.runtime.driver import merge_rank_results, plan_schedule, step_spec
 from pipecheck._runtime.executor import StageExecutor, StepSpec, rank_step
 from pipecheck._runtime.timeline import measured_bubble_fraction

@@ -9,7 +9,7 @@
     Reference runner in fp32; distributed runner in fp32 on warm Worlds (one per world size,
     started before timing). Written to the "Strategies (generated cases per second)" section of
     benchmarks/RESULTS.md.
-(b) ``--feature-counts PATH`` summarises the JSON lines that tests/test_properties.py appends
+(b) ``--feature-counts PATH`` summarises the JSON lines that tests/strategies/test_properties.py appends
     when ``PIPECHECK_FEATURE_COUNTS=PATH`` is set: cases per test, and per feature (the model's
     ``features(spec)`` and the split's ``CROSSINGS``) how many cases exercised it. With
     ``--wall-s`` and ``--command`` it is also written to RESULTS.md.

@@ -24,6 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pipecheck as pc
+
+# private: the timeline's bubble measure is what this benchmark reports
 from pipecheck._runtime.timeline import Event, measured_bubble_fraction
 from pipecheck.schedules import make_schedule, simulated_bubble_fraction
 

@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 
 import pipecheck as pc
+
+# private: the reference runner's function, wrapped to plant a bug
 from pipecheck._runners.base import run_reference
 
 LAYERS = 25  # 25 Linear layers and a head: 52 parameter tensors, 54 rows with the output and the loss

@@ -55,6 +55,7 @@ def rss_mib(pid: int | str = "self") -> float | None:
 
 def cache_sizes() -> dict[str, int]:
     """Entries in each cache a check may add to, in this process."""
+    # private: the runtime's communication is what the soak watches for leaks
     from pipecheck._runtime import comm as _comm
     from pipecheck._runtime import stage_step as _stage_step
 

@@ -31,7 +31,7 @@ PAGE = ROOT / "docs" / "torch-versions.md"
 ZOO_COLUMNS = "reference,distributed,torch:1f1b,torch:zb,torch:interleaved_zb,torch:zbv,torch:dualpipev"
 BEGIN, END = "<!-- torch-matrix:begin -->", "<!-- torch-matrix:end -->"
 # The test that this page lists every supported torch: it passes only once the whole matrix is written.
-PAGE_TEST = "tests/test_torch_versions.py::test_every_tested_torch_has_its_column_on_the_measured_page"
+PAGE_TEST = "tests/core/test_torch_versions.py::test_every_tested_torch_has_its_column_on_the_measured_page"
 
 
 def run(out: Path) -> None:

@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipecheck import pipe_split
+
+# private: planted bugs subclass the DeepSpeed adapter's own recipe
 from pipecheck._runners.deepspeed.layers import SplitLayout
 from pipecheck._runners.deepspeed.rank import SplitModelSpec
 

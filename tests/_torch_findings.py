@@ -10,6 +10,7 @@ import importlib.util
 import torch
 from packaging.version import Version
 
+# private: the torch-version keys every finding is written against
 from pipecheck._core.torch_versions import at_least
 
 VERSION = torch.__version__

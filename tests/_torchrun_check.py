@@ -1,4 +1,4 @@
-"""What every rank of a torchrun launch runs (tests/test_torchrun.py starts it as two "nodes").
+"""What every rank of a torchrun launch runs (tests/world/test_torchrun.py starts it as two "nodes").
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
              --rdzv-id ID tests/_torchrun_check.py [model:schedule[:stages_per_rank] ...]

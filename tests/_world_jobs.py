@@ -1,4 +1,4 @@
-"""Jobs for tests/test_world.py, top-level so spawned ranks can unpickle them."""
+"""Jobs for tests/world/test_world.py, top-level so spawned ranks can unpickle them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# private: the type of what a World task receives (its rank, device, group)
 from pipecheck._world.world import RankContext
 
 

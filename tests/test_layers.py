@@ -133,3 +133,41 @@ def test_no_module_is_longer_than_a_read() -> None:
     long = {module: lines for module, path in _modules().items()
             if (lines := len(path.read_text().splitlines())) > MODULE_LINES}
     assert long == {}, f"split these modules (over {MODULE_LINES} lines): {long}"
+
+
+def test_the_test_folders_mirror_the_package_s() -> None:
+    """tests/split/ tests pipecheck/_split/, tests/strategies/ pipecheck/strategies/, ...; tests of
+    the public modules and of the package as a whole sit at tests/'s top."""
+    tests = PACKAGE.parent / "tests"
+    folders = sorted(path.name for path in tests.iterdir() if path.is_dir() and any(path.glob("test_*.py")))
+    unmatched = [name for name in folders if name != "mutants"
+                 and not (PACKAGE / f"_{name}").is_dir() and not (PACKAGE / name).is_dir()]
+    assert folders and unmatched == [], f"test folders with no package folder of that name: {unmatched}"
+
+
+def _private_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipecheck."):
+            if node.module.split(".")[1].startswith("_"):
+                found.append(node.module)
+        elif isinstance(node, ast.ImportFrom) and node.module == "pipecheck":
+            found += [f"pipecheck.{alias.name}" for alias in node.names if alias.name.startswith("_")
+                      and alias.name != "__version__"]
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.startswith("pipecheck._")]
+    return found
+
+
+def test_tests_and_benchmarks_use_public_names_or_say_why_not() -> None:
+    """A test in tests/<folder>/ may import pipecheck/_<folder>/ (the thing under test); any other
+    private import needs a ``# private: why`` line in its file."""
+    root = PACKAGE.parent
+    unexplained = {}
+    for path in sorted([*(root / "tests").rglob("*.py"), *(root / "benchmarks").glob("*.py")]):
+        parts = path.relative_to(root).parts
+        own = f"pipecheck._{parts[1]}" if parts[0] == "tests" and len(parts) > 2 else None
+        foreign = [name for name in _private_imports(path) if not (own and (name == own or name.startswith(own + ".")))]
+        if foreign and "# private: " not in path.read_text():
+            unexplained[str(path.relative_to(root))] = sorted(set(foreign))
+    assert unexplained == {}, f"import public names (pc.*), or say in a '# private: ' line why not: {unexplained}"

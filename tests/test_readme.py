@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+# private: the command line's exit-status table, which the docs must show
 from pipecheck._cli.main import EXIT_STATUSES
 
 ROOT = Path(__file__).resolve().parents[1]

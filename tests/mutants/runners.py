@@ -26,7 +26,9 @@ import torch.utils._pytree as pytree
 from pipecheck.fixtures import ZOO, get
 
 import pipecheck as pc
-from pipecheck import Job, StepResult
+from pipecheck import Job, Pipe, Source, Stage, StepResult, merge_microbatches, split_microbatches
+
+# private: planted bugs are the reference runner with one of its steps changed
 from pipecheck._runtime.reference import sum_stage_grads
 from pipecheck._runtime.stage_step import (
     LeafGrads,
@@ -36,8 +38,6 @@ from pipecheck._runtime.stage_step import (
     stage_backward,
     stage_forward,
 )
-from pipecheck._split.microbatch import merge_microbatches, split_microbatches
-from pipecheck._split.pipe import Pipe, Source, Stage
 from pipecheck.losses import check_scalar_loss, default_microbatch_target, projection_loss
 
 ALL = tuple(entry.name for entry in ZOO)

@@ -19,6 +19,8 @@ import warnings
 import torch
 
 import pipecheck as pc
+
+# private: the report's table format, for the mutants table
 from pipecheck._check.report import format_plain_table
 
 from .runners import ALL, MUTANTS, BaseRunner, check

@@ -20,6 +20,8 @@ import pytest
 from pipecheck.fixtures import get
 
 import pipecheck as pc
+
+# private: planted bugs in the engine adapters are subclasses of them
 from pipecheck._runners.deepspeed.driver import (
     DeepSpeedLayersRunner,
     DeepSpeedRunner,

@@ -19,6 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from pipecheck import Stage
+
+# private: planted zero-bubble bugs change the runtime's own stage steps
 from pipecheck._runtime.stage_step import (
     PendingWeights,
     StageForward,
@@ -28,7 +31,6 @@ from pipecheck._runtime.stage_step import (
     trainable_params,
 )
 from pipecheck._schedule.sim import simulate
-from pipecheck._split.pipe import Stage
 from pipecheck.schedules import Action, make_schedule
 
 from .runners import FIRST_GRAD, STAGE_1_PARAM, BaseRunner, _merge_input_grads

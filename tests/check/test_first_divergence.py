@@ -14,9 +14,11 @@ from mutants.runners import MUTANTS, BaseRunner, check
 from pipecheck.fixtures import get
 
 import pipecheck as pc
+from pipecheck import merge_microbatches
+
+# private: boundary recording and first_divergence are the runtime's; the locating step is under test
 from pipecheck._check.diagnose import microbatch_weights, weights_hint
 from pipecheck._runtime.boundaries import instrument
-from pipecheck._split.microbatch import merge_microbatches
 
 
 class SendWrongAfterFirst(BaseRunner):

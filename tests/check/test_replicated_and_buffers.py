@@ -12,6 +12,8 @@ import torch.nn as nn
 
 import pipecheck as pc
 from pipecheck import fixtures
+
+# private: the reference runner's function, wrapped to plant bugs
 from pipecheck._runners.base import run_reference
 
 BATCH, WIDTH = 8, 4

@@ -21,6 +21,8 @@ from _torch_findings import SKIP
 from pipecheck.fixtures import get
 
 import pipecheck as pc
+
+# private: the command line's exit status and a rank's task call, for the torch runner's failures
 from pipecheck._cli.main import main
 from pipecheck._runners.torch_pipelining import driver as _torch_runner
 from pipecheck._runners.torch_pipelining.driver import policy_module_cuts, torch_message

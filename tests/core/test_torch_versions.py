@@ -13,7 +13,7 @@ from pipecheck._core.torch_versions import (
     tested_note as note_on,  # named so pytest does not collect it
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pyproject_s_floor_is_the_oldest_tested_torch() -> None:

@@ -13,9 +13,11 @@ import torch.nn as nn
 from pipecheck.fixtures import get
 
 import pipecheck as pc
+from pipecheck import Job
 from pipecheck._check.truth64 import PERTURBATION, _grouped_mm64, float64_truth
+
+# private: the reference runner and the check's prepared inputs, which the truth consumes
 from pipecheck._runners.base import run_reference
-from pipecheck._runners.job import Job
 from pipecheck._split.inputs import prepare_inputs
 from pipecheck.losses import projection_loss
 

@@ -29,7 +29,7 @@ from pipecheck.errors import (
 
 # Spawned ranks unpickle jobs by module name; they inherit this sys.path, so
 # `_world_jobs` imports there too, whatever pytest's import mode.
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 import _world_jobs as jobs  # noqa: E402

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 
 import pipecheck as pc
+
+# private: the runtime's links are built on a World; hung_rank reads a World's timeout
 from pipecheck._runtime.comm import Links, layout_of
 from pipecheck._world.tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
 from pipecheck._world.worker import process_gone
@@ -123,7 +125,7 @@ def _driver_says(driver: subprocess.Popen[str]) -> list[str]:
 
 def test_ranks_exit_when_their_driver_is_killed_and_left_a_zombie(tmp_path: Path) -> None:
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
+    script.write_text(DRIVER.format(tests=str(Path(__file__).resolve().parents[1])))
     driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         ranks = [int(pid) for pid in _driver_says(driver)]
@@ -157,7 +159,7 @@ if __name__ == "__main__":
 def test_sigterm_to_the_driver_cleans_up_like_ctrl_c(tmp_path: Path, own_handler: bool) -> None:
     script = tmp_path / "driver.py"
     handler = "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))" if own_handler else "pass"
-    script.write_text(SIGTERMED.format(tests=str(Path(__file__).parent), own_handler=handler))
+    script.write_text(SIGTERMED.format(tests=str(Path(__file__).resolve().parents[1]), own_handler=handler))
     driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         folder, *ranks = _driver_says(driver)

@@ -14,6 +14,8 @@ from expecttest import assert_expected_inline
 
 import pipecheck as pc
 from pipecheck import fixtures
+
+# private: the reference runner's function, and the stage steps, reused by planted-bug runners
 from pipecheck._runners.base import run_reference
 from pipecheck._runtime.stage_step import (
     LeafGrads,

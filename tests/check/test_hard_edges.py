@@ -24,9 +24,11 @@ from hypothesis import HealthCheck, given, settings
 import pipecheck as pc
 from pipecheck import fixtures
 from pipecheck import strategies as pst
+
+# private: the reference runner's function, wrapped to plant bugs
 from pipecheck._runners.base import run_reference
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:  # spawned ranks unpickle _world_jobs by name; they inherit sys.path
     sys.path.insert(0, str(TESTS_DIR))
 import _odd_models  # noqa: E402

@@ -1,7 +1,7 @@
 """Generated pipeline checks: random models, cuts, micro-batches and schedules match eager.
 
     HYPOTHESIS_PROFILE=nightly PIPECHECK_FEATURE_COUNTS=/tmp/counts.jsonl \\
-        python -m pytest tests/test_properties.py -q
+        python -m pytest tests/strategies/test_properties.py -q
     python benchmarks/bench_strategies.py --feature-counts /tmp/counts.jsonl
 
 The number of examples comes from the hypothesis profile (``ci`` by default).

@@ -10,6 +10,8 @@ import torch
 from pipecheck.fixtures import ZOO, get
 
 import pipecheck as pc
+
+# private: the runtime's runner plans the schedule it executes
 from pipecheck._runners.runtime.driver import plan_schedule
 
 # (schedule, stages_per_rank) that fit a model of n stages on world_size ranks

@@ -20,15 +20,15 @@ import torch
 from pipecheck.fixtures import ZOO, get
 
 import pipecheck as pc
+from pipecheck import Source
 from pipecheck._runners.deepspeed.layers import (
     LayerListModel,
     boundary_problems,
     layer_param_counts,
     split_layout,
 )
-from pipecheck._split.pipe import Source
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks unpickle _engine_models by name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ranks unpickle _engine_models by name
 import _engine_models as em  # noqa: E402
 
 N_MICROBATCHES = 4

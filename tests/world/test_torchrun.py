@@ -2,7 +2,7 @@
 
 Two torchrun agents on this machine play two nodes (c10d rendezvous on localhost, 2 processes each):
 the 4 ranks check a tied weight whose gradients are all-reduced across the nodes and a skip connection
-under the zero-bubble schedule (marked slow: ``pytest -m slow tests/test_torchrun.py``, and the nightly
+under the zero-bubble schedule (marked slow: ``pytest -m slow tests/world/test_torchrun.py``, and the nightly
 nox session). By default one agent with 2 processes checks the V-placed "zbv" schedule. Every
 agent runs in its own session with its output in a file; whatever the outcome, both agents' process
 groups and every rank (torchrun starts each rank in a session of its own) are killed by process id.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("_torchrun_check.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "_torchrun_check.py"
 # A port taken between choosing it and the agent binding it, or a rendezvous that missed its peer.
 RETRYABLE = re.compile(r"EADDRINUSE|Address already in use|RendezvousConnectionError|RendezvousTimeoutError")
 

@@ -15,6 +15,8 @@ from pipecheck.fixtures import get
 import pipecheck as pc
 from pipecheck._check.numerics import NEGLIGIBLE, POWER_LIMIT, Row, compare, judge_power, power_of
 from pipecheck._check.report import percent_ceiling
+
+# private: the reference runner's function, wrapped to plant bugs; zoo_cell is the zoo's verdict cell
 from pipecheck._runners.base import run_reference
 
 CUT = {"layers.2": pc.SplitPoint.BEGINNING}

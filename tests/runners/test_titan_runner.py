@@ -26,7 +26,7 @@ from pipecheck._runners.torchtitan.driver import (
 )
 from pipecheck._runners.torchtitan.rank import original_names
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks unpickle _engine_models by name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ranks unpickle _engine_models by name
 import _engine_models as em  # noqa: E402
 
 N_MICROBATCHES = 4

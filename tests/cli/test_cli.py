@@ -364,6 +364,7 @@ def test_check_help_shows_defaults(user_dir: Path) -> None:
 
 
 def test_the_cli_knows_every_builtin_runner_and_each_installed_engine() -> None:
+    # private: the registry's list, which the command line must show
     from pipecheck._runners.base import available_runners
 
     assert list(RUNNERS) == available_runners()

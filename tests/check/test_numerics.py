@@ -70,6 +70,7 @@ class ComplexPhase(nn.Module):
 
 
 def imaginary_part_of_a_grad_dropped(job: pc.Job) -> pc.StepResult:
+    # private: the reference runner's function, wrapped to plant a bug
     from pipecheck._runners.base import run_reference
 
     result = run_reference(job)

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 import pipecheck as pc
+
+# private: runner names are resolved by the check and listed by the command line
 from pipecheck._check.equivalence import resolve_runner
 from pipecheck._cli.main import main
 from pipecheck._runners import base as _runners

@@ -22,6 +22,8 @@ from _torch_findings import SKIP
 from pipecheck.fixtures import get
 
 import pipecheck as pc
+
+# private: the torch runner's plan is where torch's schedule table is applied
 from pipecheck._runners.torch_pipelining.driver import plan_torch_step
 from pipecheck._schedule.torch_classes import ALIASES, TORCH_SCHEDULES, torch_layout, v_warmup_patch
 
