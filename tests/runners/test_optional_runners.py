@@ -8,6 +8,7 @@ import importlib.util
 from typing import Any
 
 import pytest
+import torch
 
 import pipecheck as pc
 
@@ -85,3 +86,21 @@ def test_the_cli_names_the_pip_command_for_an_engine_not_installed(
     err = capsys.readouterr().err
     assert err.startswith(f"pipecheck: input error: runner={name!r} needs {name}, which is not installed. "
                           f'Fix: pip install "pipecheck[{name}]"'), err
+
+
+@pytest.mark.parametrize("name,canonical", [
+    ("pipecheck-runtime", "distributed"), ("Torch-Pipelining", "torch"), ("detach-executor", "reference"),
+    (" reference ", "reference"), ("TORCH", "torch"),
+])
+def test_a_runner_is_found_by_any_of_its_names(name: str, canonical: str) -> None:
+    """Aliases say whose engine runs; case, spaces and "-" vs "_" do not matter; the report names
+    the runner as it was given."""
+    given, run = resolve_runner(name)
+    assert given == name.strip() and run is resolve_runner(canonical)[1]
+
+
+def test_a_check_reports_the_runner_under_the_name_it_was_given() -> None:
+    report = pc.assert_equivalent(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+                                  (torch.randn(8, 4),), split_spec={"1": pc.SplitPoint.BEGINNING},
+                                  runner="detach-executor", n_microbatches=2)
+    assert report.runner == "detach-executor" and str(report).startswith("pipecheck: runner 'detach-executor' matches eager")
