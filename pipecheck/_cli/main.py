@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: all; the HuggingFace models when transformers is installed)")
     zoo.add_argument("--markdown", action="store_true", help="print a markdown table")
     zoo.add_argument("--write-markdown", metavar="FILE",
-                     help="also write the table (markdown) between {} and {} in FILE, e.g. README.md".format(
+                     help="also write the table (markdown) between {} and {} in FILE, e.g. docs/zoo.md".format(
                          *markers(None)))
     zoo.add_argument("--schedules", metavar="NAME,...", help="comma-separated: one column per runner and "
                      "schedule (V schedules zbv and dualpipev run 2 stages per rank); default: --schedule")

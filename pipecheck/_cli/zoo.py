@@ -1,8 +1,8 @@
 """``pipecheck zoo``: every zoo model through every runner (or runner and schedule), as a table
-that can be written into a README between markers.
+that can be written into a markdown page (docs/zoo.md) between markers.
 
-    pipecheck zoo --write-markdown README.md                   # the main table
-    pipecheck zoo --columns distributed:zb,torch:zbv --write-markdown README.md --block zero-bubble
+    pipecheck zoo --write-markdown docs/zoo.md                 # the main table
+    pipecheck zoo --columns distributed:zb,torch:zbv --write-markdown docs/zoo.md --block zero-bubble
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def markers(block: str | None) -> tuple[str, str]:
 
 
 def write_marked_block(path: str, body: str | None, block: str | None = None) -> None:
-    """Replace the text between the zoo markers of ``block`` in ``path`` (a README) with ``body``
+    """Replace the text between the zoo markers of ``block`` in ``path`` (docs/zoo.md) with ``body``
     (None: only check that they are there)."""
     from pathlib import Path
 
@@ -245,7 +245,7 @@ def write_marked_block(path: str, body: str | None, block: str | None = None) ->
         text = Path(path).read_text()
     except OSError as err:
         raise UsageError(f"cannot read --write-markdown {path}: {err.strerror}. Fix: give an existing "
-                         "markdown file, e.g. README.md.") from None
+                         "markdown file, e.g. docs/zoo.md.") from None
     if begin not in text or end not in text:
         raise UsageError(f"{path} has no {begin} ... {end} block to write the zoo table into. Fix: add "
                          "the two markers where the table belongs.")
