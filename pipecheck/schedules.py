@@ -93,7 +93,9 @@ def make_schedule(
     """Build a schedule by name: "gpipe", "1f1b", "interleaved" (alias "interleaved_1f1b"),
     "zb" (ZB-H1, alias "zb_h1") or "zbv".
 
-    Names are case-insensitive. ``stages_per_rank > 1`` is supported by
+    Names are case-insensitive ("-" and "_" alike), and torch's names for the same schedules
+    are accepted too ("Schedule1F1B", "ZBVZeroBubble": one table of names for every runner,
+    ``pipecheck._schedule.names``). ``stages_per_rank > 1`` is supported by
     "gpipe" (looped) and "interleaved"; "1f1b" and "zb" run one stage per rank,
     "zbv" exactly two, in a V (stage ``r`` and ``n_stages - 1 - r`` on rank ``r``).
     A layout a schedule cannot run is a ScheduleError saying which would fit.
@@ -104,7 +106,8 @@ def make_schedule(
         torch_only = entry is not None
         raise ScheduleError(
             f"unknown schedule {name!r}; valid names: 'gpipe', '1f1b', 'interleaved' "
-            "(alias 'interleaved_1f1b'), 'zb' (ZB-H1), 'zbv', case-insensitive"
+            "(alias 'interleaved_1f1b'), 'zb' (ZB-H1), 'zbv', case-insensitive, or torch's names for them "
+            "('Schedule1F1B', ...)"
             + (f". {name!r} is a torch.distributed.pipelining schedule: run it with runner='torch'"
                if torch_only else "")
         )

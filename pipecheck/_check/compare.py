@@ -48,7 +48,7 @@ def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref
     notes: list[str] = []
     _compare_outputs(pipe, job, result, eager, ref64, tolerance, rows, hints)
     rows.append(compare("loss", result.loss, eager.loss, ref64.loss, tolerance, (pipe.num_stages - 1,),
-                        truth_error=_error(ref64, "loss")))
+                        truth_error=_error(ref64, "loss"), kind="loss"))
     _compare_buffers(pipe, job, result, eager, ref64, tolerance, initial_buffers, rows, hints, notes)
     if check_grads:
         _compare_grads(pipe, job, result, eager, ref64, tolerance, rows, hints, reference)
@@ -128,7 +128,7 @@ def _compare_buffers(pipe: Pipe, job: Job, result: StepResult, eager: StepResult
             continue  # never touched by the step: a runner need not report it
         name = f"buffer {fqn}"
         row = compare(name, result.buffers.get(fqn), after, ref64.buffers[fqn], tolerance, pipe.buffer_stages(fqn),
-                      truth_error=_error(ref64, "buffers", fqn))
+                      truth_error=_error(ref64, "buffers", fqn), kind="buffers")
         rows.append(row)
         if not row.ok and row.numel and fqn in changed and job.n_microbatches > 1:
             failing.append(fqn)
@@ -170,7 +170,7 @@ def _compare_outputs(pipe: Pipe, job: Job, result: StepResult, eager: StepResult
         name = eager_names[i]
         test = test_out.get(name)
         row = compare(name, test, e_leaf, r_leaf, tolerance, stages, microbatches=job.n_microbatches,
-                      truth_error=_error(ref64, "outputs", i))
+                      truth_error=_error(ref64, "outputs", i), kind="outputs")
         rows.append(row)
         if name not in test_out:
             hints[name] = f"output structure differs: the runner returned {sorted(test_out) or 'no outputs'}"
@@ -180,7 +180,7 @@ def _compare_outputs(pipe: Pipe, job: Job, result: StepResult, eager: StepResult
                 hints[name] = hint
     for name in sorted(set(test_out) - set(eager_names)):
         rows.append(Row(name, (), (), False, float("inf"), float("inf"), "-", None, 1, 1,
-                        "not an output of the eager model"))
+                        "not an output of the eager model", kind="outputs"))
 
 
 def _grad_row(name: str, test: Any, e_grad: torch.Tensor, truth: torch.Tensor, tolerance: ToleranceLike,
@@ -189,7 +189,7 @@ def _grad_row(name: str, test: Any, e_grad: torch.Tensor, truth: torch.Tensor, t
               truth_error: torch.Tensor | None = None) -> None:
     """One gradient's row, with a hint when it fails in a recognisable way (``shares`` is only
     called then: a tied parameter's per-stage shares cost one more reference run)."""
-    row = compare(name, test, e_grad, truth, tolerance, stages, truth_error=truth_error)
+    row = compare(name, test, e_grad, truth, tolerance, stages, truth_error=truth_error, kind="grads")
     rows.append(row)
     if not row.ok and row.numel and isinstance(test, torch.Tensor):
         hint = diagnose_grad(test, truth, job.n_microbatches, shares())
@@ -231,7 +231,7 @@ def _unexpected_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
         name = f"{prefix}{key}"
         magnitude = grad.detach().abs().max().item()
         rows.append(Row(name, stages_of(key), tuple(grad.shape), False, magnitude, float("inf"),
-                        "zero expected", None, int((grad != 0).sum()), grad.numel()))
+                        "zero expected", None, int((grad != 0).sum()), grad.numel(), kind="grads"))
         hints[name] = hint
 
 

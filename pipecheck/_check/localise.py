@@ -66,10 +66,6 @@ def locate(fresh_job: Callable[[], Job], run: Runner, runner_name: str, failing_
     which of "outputs", "loss", "buffers", "grads" have failing rows."""
     job = fresh_job()
     own_split = getattr(run, "reference_boundaries", None)
-    if runner_name == "torch":
-        from pipecheck._runners.torch_pipelining.driver import torch_reference_boundaries
-
-        own_split = torch_reference_boundaries
     if own_split is not None:  # the runner cuts and names the values itself: its own split, run here, is the truth
         try:
             truth, producers = own_split(job)

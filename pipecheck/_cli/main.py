@@ -116,6 +116,11 @@ class RefusingSingleStage:
     def __call__(self, job: Any) -> Any:
         return self.run(job)
 
+    def __getattr__(self, name: str) -> Any:  # the runner's own split (reference_boundaries), ...
+        if name == "run":  # not set yet (during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.run, name)
+
 
 def cmd_check(args: argparse.Namespace) -> int:
     import pipecheck as pc

@@ -62,6 +62,9 @@ class Job:
     # Set when the check re-runs a failing job to find where it diverges: every split() then records its
     # stage modules' boundary values here (an engine that runs other modules may call boundaries.record).
     boundaries: Boundaries | None = field(default=None, repr=False)
+    # The job's model cut once by structure() when it has no ``pipe``: private, so a copy made with
+    # dataclasses.replace (other inputs, another cut) splits again.
+    _split: Pipe | None = field(default=None, init=False, repr=False, compare=False)
 
     def build_model(self) -> nn.Module:
         return self.model()
@@ -77,10 +80,12 @@ class Job:
     def structure(self) -> Pipe:
         """The job's split for reading its stages, edges and tied groups (not for running): the
         check's own, or the job's model cut once, on first use."""
-        if self.pipe is None:
-            self.pipe = split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
-                              tracer=self.tracer)
-        return self.pipe
+        if self.pipe is not None:
+            return self.pipe
+        if self._split is None:
+            self._split = split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
+                                tracer=self.tracer)
+        return self._split
 
     @functools.cached_property
     def bound(self) -> dict[str, Any]:

@@ -104,3 +104,26 @@ def test_a_check_reports_the_runner_under_the_name_it_was_given() -> None:
                                   (torch.randn(8, 4),), split_spec={"1": pc.SplitPoint.BEGINNING},
                                   runner="detach-executor", n_microbatches=2)
     assert report.runner == "detach-executor" and str(report).startswith("pipecheck: runner 'detach-executor' matches eager")
+
+
+def test_the_torch_runner_brings_its_own_split_under_any_of_its_names() -> None:
+    """A failing check locates the first divergence against the runner's own split
+    (``reference_boundaries``): torch's, whatever the name it was given by."""
+    for name in ("torch", "Torch", "torch-pipelining"):
+        assert callable(getattr(resolve_runner(name)[1], "reference_boundaries", None)), name
+
+
+def test_the_command_line_s_single_stage_refusal_keeps_the_runner_s_own_split() -> None:
+    from pipecheck._cli.main import RefusingSingleStage
+
+    class OwnSplit:
+        __name__ = "own_split"
+
+        def reference_boundaries(self, job: Any) -> Any:
+            return "the runner's own"
+
+        def __call__(self, job: Any) -> Any:
+            raise AssertionError("not run here")
+
+    wrapped = RefusingSingleStage("own_split", OwnSplit())
+    assert wrapped.reference_boundaries(None) == "the runner's own"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 import pipecheck as pc
+
+# private: torchtitan's runner reads the same table of schedule names (its names and its V placement)
 from pipecheck._runners.torchtitan.driver import stage_owner, titan_schedule
 from pipecheck._schedule.names import SCHEDULES, name_key, schedule_named
 from pipecheck._schedule.torch_classes import ALIASES, TORCH_SCHEDULES
