@@ -34,8 +34,8 @@ def _install_with_torch(session: nox.Session, minor: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """What CI runs: the whole suite on the torch a fresh install resolves to (the newest), with the
-    DeepSpeed and torchtitan extras, so their runners are tested too."""
-    session.install("-e", ".[test,deepspeed,torchtitan]", env=NEWEST)
+    DeepSpeed, torchtitan and Megatron Core extras, so their runners are tested too."""
+    session.install("-e", ".[test,deepspeed,torchtitan,megatron]", env=NEWEST)
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     session.run("pytest", "-n", "auto", *session.posargs)
 

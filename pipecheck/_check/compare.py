@@ -52,7 +52,7 @@ def compare_all(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, ref
     _compare_buffers(pipe, job, result, eager, ref64, tolerance, initial_buffers, rows, hints, notes)
     if check_grads:
         _compare_grads(pipe, job, result, eager, ref64, tolerance, rows, hints, reference)
-    return judge_power(rows), hints, getattr(ref64, "notes", []) + notes + nan_notes(rows)
+    return judge_power(rows), hints, getattr(ref64, "notes", []) + list(result.notes) + notes + nan_notes(rows)
 
 
 def _error(ref64: StepResult, field: str, key: Any = None) -> torch.Tensor | None:

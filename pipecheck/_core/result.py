@@ -35,6 +35,8 @@ class StepResult:
     # Optional: boundary values, (stage, micro-batch, point, value name) -> host tensor, recorded when
     # ``job.boundaries`` is set (see pipecheck.Job); a runner on one process need not fill it.
     boundaries: dict[tuple[int, int, str, str], torch.Tensor] = field(default_factory=dict)
+    # Optional: what the runner wants the report to say (its engine's version and configuration).
+    notes: list[str] = field(default_factory=list)
 
 
 BoundaryKey = tuple[int, int, str, str]  # (stage, micro-batch, point, value name)

@@ -56,6 +56,8 @@ RUNNERS: dict[str, RunnerEntry] = {
                     package="deepspeed", extra="deepspeed"),
         RunnerEntry("torchtitan", "torchtitan", "pipecheck._runners.torchtitan.driver:run_torchtitan",
                     package="torchtitan", extra="torchtitan"),
+        RunnerEntry("megatron", "Megatron Core's pipeline schedules", "pipecheck._runners.megatron.driver:run_megatron",
+                    aliases=("megatron_core",), package="megatron", extra="megatron"),
     )
 }
 

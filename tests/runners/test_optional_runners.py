@@ -40,6 +40,7 @@ def installed(monkeypatch: pytest.MonkeyPatch) -> Any:
     ((), ["reference", "distributed", "torch"]),
     (("deepspeed",), ["reference", "distributed", "torch", "deepspeed"]),
     (("deepspeed", "torchtitan"), ["reference", "distributed", "torch", "deepspeed", "torchtitan"]),
+    (("megatron",), ["reference", "distributed", "torch", "megatron"]),
 ])
 def test_an_optional_runner_is_listed_only_when_its_engine_is_installed(installed: Any, packages: tuple[str, ...],
                                                                         expected: list[str]) -> None:
@@ -47,7 +48,7 @@ def test_an_optional_runner_is_listed_only_when_its_engine_is_installed(installe
     assert _runners.available_runners() == expected
 
 
-@pytest.mark.parametrize("name", ["deepspeed", "torchtitan"])
+@pytest.mark.parametrize("name", ["deepspeed", "torchtitan", "megatron"])
 def test_an_engine_that_is_not_installed_is_an_input_error_with_the_fix(installed: Any, name: str) -> None:
     installed()
     with pytest.raises(pc.InputError, match=rf'runner={name!r} needs {name}, which is not installed. Fix: pip '
@@ -56,8 +57,8 @@ def test_an_engine_that_is_not_installed_is_an_input_error_with_the_fix(installe
 
 
 def test_an_unknown_runner_lists_the_optional_ones_too() -> None:
-    with pytest.raises(pc.InputError, match="'deepspeed', 'torchtitan'"):
-        resolve_runner("megatron")
+    with pytest.raises(pc.InputError, match="'deepspeed', 'torchtitan', 'megatron'"):
+        resolve_runner("colossalai")
 
 
 def test_the_zoo_exit_code_counts_only_pipecheck_s_own_runners(capsys: pytest.CaptureFixture[str]) -> None:

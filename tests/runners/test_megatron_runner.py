@@ -1,0 +1,110 @@
+"""runner="megatron": Megatron Core's pipeline schedules (1F1B, interleaved) on CPU and gloo, with
+what Megatron cannot run refused before any rank starts. Needs ``pip install "pipecheck[megatron]"``
+for the checks that run it; the refusals run without it."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipecheck as pc
+from pipecheck.engines.megatron import MegatronRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ranks unpickle _megatron_models by name
+import _megatron_models as mm  # noqa: E402
+
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                    reason='needs megatron-core: pip install "pipecheck[megatron]"')
+TOKENS = torch.randint(0, 16, (8, 5), generator=torch.Generator().manual_seed(0))
+X = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+
+
+def _mlp_check(runner: object, schedule: str = "1f1b", stages_per_rank: int = 1) -> pc.Report:
+    return pc.assert_equivalent(mm.mlp, (X,), runner=runner, n_microbatches=4, schedule=schedule,
+                                stages_per_rank=stages_per_rank, policy=pc.policies.balanced_nodes(2 * stages_per_rank))
+
+
+@needs_megatron
+def test_a_tied_embedding_matches_through_megatron_s_1f1b_and_finalize_model_grads() -> None:
+    report = pc.assert_equivalent(mm.TiedLM, (TOKENS,), runner="megatron", n_microbatches=4)
+    replicas = [row.name for row in report.rows if "replica" in row.name]
+    assert report.ok and replicas == ["grad emb.weight (replica in stage 0)", "grad emb.weight (replica in stage 1)"]
+    assert any(note.startswith("Megatron Core 0.16") and "forward_backward_pipelining_without_interleaving" in note
+               and "batch_p2p_comm=True (Megatron's default)" in note for note in report.notes), report.notes
+
+
+@needs_megatron
+def test_the_interleaved_schedule_on_two_pipeline_ranks_with_megatron_s_defaults_is_a_mismatch() -> None:
+    """Megatron Core's default batch_p2p_comm=True mixes up the previous and the next peer when they are
+    one rank (NVIDIA/Megatron-LM#750, #1450): wrong values, no error. pipecheck keeps Megatron's default
+    and reports the mismatch, the configuration and where it starts."""
+    with pytest.raises(pc.EquivalenceError) as caught:
+        _mlp_check("megatron", "interleaved", 2)
+    report = caught.value.report
+    failing = {row.name for row in report.failures}
+    assert {"loss", "grad 0.weight", "grad 2.weight"} <= failing
+    assert any("with_interleaving" in note and "batch_p2p_comm=True (Megatron's default)" in note
+               for note in report.notes)
+    assert re.match(r"first divergence: stage 1 received .* in the forward: micro-batches 2, 3 differ", report.located)
+    assert _mlp_check(MegatronRunner(batch_p2p_comm=False), "interleaved", 2).ok  # the setting that avoids it
+
+
+@needs_megatron
+@pytest.mark.parametrize("rank_step,row", [
+    (mm.rank_step_without_tied_sync, "grad emb.weight (replica in stage 0)"),
+    (mm.rank_step_scaling_loss_twice, "grad l0.weight"),
+], ids=["tied-replicas-not-summed", "loss-scaled-twice"])
+def test_a_planted_adapter_bug_is_caught_on_the_tensor_it_breaks(rank_step: object, row: str) -> None:
+    class Planted(MegatronRunner):
+        pass
+
+    Planted.rank_step = staticmethod(rank_step)  # type: ignore[assignment]
+    with pytest.raises(pc.EquivalenceError) as caught:
+        pc.assert_equivalent(mm.TiedLM, (TOKENS,), runner=Planted(), n_microbatches=4)
+    assert row in {failure.name for failure in caught.value.report.failures}
+
+
+@pytest.mark.parametrize("model,options,error,message", [
+    pytest.param(mm.Skip, {}, pc.EngineError, "stage 2 reads stage 0.a (a skip across stages)", id="skip"),
+    pytest.param(mm.mlp, {"schedule": "gpipe"}, pc.InputError, "schedule='gpipe': Megatron Core runs '1f1b'",
+                 id="schedule"),
+    pytest.param(mm.mlp, {"schedule": "interleaved"}, pc.InputError,
+                 "with stages_per_rank=1: Megatron runs 1F1B with one", id="interleaved-one-stage-per-rank"),
+])
+def test_what_megatron_cannot_run_is_refused_before_any_rank_starts(model: object, options: dict,
+                                                                   error: type[Exception], message: str) -> None:
+    options = {"policy": pc.policies.balanced_nodes(2), **options} if model is mm.mlp else options
+    with pytest.raises(error, match=re.escape(message)):
+        pc.assert_equivalent(model, (X,), runner=MegatronRunner(), n_microbatches=4, **options)
+
+
+def test_the_cpu_shims_hold_only_inside_the_block_and_change_nothing_on_a_gpu() -> None:
+    from pipecheck._runners.megatron.rank import cpu_shims
+
+    before = torch.cuda.current_device, torch.cuda.synchronize
+    with pytest.raises(RuntimeError, match="inside"), cpu_shims(torch.device("cpu")):
+        made = torch.zeros(3, device="cuda"), torch.empty(2, device=torch.device("cuda", 0)), torch.ones(1, device=0)
+        assert [t.device.type for t in made] == ["cpu"] * 3
+        assert torch.cuda.current_device() == "cpu" and torch.cuda.synchronize() is None
+        raise RuntimeError("inside")  # a failing schedule: the shims come off all the same
+    assert (torch.cuda.current_device, torch.cuda.synchronize) == before
+    assert torch.zeros(1, device="cpu").device.type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.zeros(1, device="cuda")  # outside the block, CUDA is CUDA again
+    with cpu_shims(torch.device("cuda")):  # on a GPU rank Megatron runs as it is
+        assert (torch.cuda.current_device, torch.cuda.synchronize) == before
+
+
+@needs_megatron
+def test_a_rank_that_fails_after_megatron_s_set_up_leaves_the_world_clean_for_the_next_check() -> None:
+    with pytest.raises(pc.EngineError, match="planted failure building the model on a rank") as caught:
+        pc.assert_equivalent(mm.fails_on_ranks, (X,), runner="megatron", n_microbatches=4,
+                             policy=pc.policies.balanced_nodes(2))
+    assert caught.value.engine == "Megatron Core" and caught.value.rank in (0, 1)
+    assert _mlp_check("megatron").ok  # Megatron's groups were torn down: it initialises again
