@@ -108,3 +108,14 @@ def test_a_rank_that_fails_after_megatron_s_set_up_leaves_the_world_clean_for_th
                              policy=pc.policies.balanced_nodes(2))
     assert caught.value.engine == "Megatron Core" and caught.value.rank in (0, 1)
     assert _mlp_check("megatron").ok  # Megatron's groups were torn down: it initialises again
+
+
+@needs_megatron
+@pytest.mark.parametrize("knobs", [{"deallocate_pipeline_outputs": True}, {"batch_p2p_comm": False}],
+                         ids=["deallocate-outputs", "no-batched-p2p"])
+def test_megatron_s_knobs_reach_its_schedule_and_a_correct_setting_matches(knobs: dict) -> None:
+    report = _mlp_check(MegatronRunner(**knobs))
+    assert report.ok
+    name, value = next(iter(knobs.items()))
+    assert any(f"{name}={value!r}" in note and f"{name}={value!r} (Megatron's default)" not in note
+               for note in report.notes), report.notes

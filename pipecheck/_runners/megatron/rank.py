@@ -134,7 +134,6 @@ class MegatronChunk(nn.Module):
         self.share_embeddings_and_output_weights = plan.tied_fqn is not None and (self.pre_process or
                                                                                self.post_process)
         self.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
-        self.in_numel = plan.boundary_numel[stage.index - 1] if stage.index else 0
         self.input_tensor: torch.Tensor | None = None
         by_fqn = {fqn: local for local, fqn in stage.local_to_fqn.items()}
         self.tied_local = by_fqn.get(plan.tied_fqn) if plan.tied_fqn is not None else None
@@ -246,7 +245,9 @@ def _step(ctx: RankContext, plan: MegatronPlan, prep: _Prepared, result: Megatro
         ctx.stage, ctx.action = chunk.stage.index, f"{chunk.stage.index}F{mb} (Megatron)"
         out = chunk(prep.microbatches[mb], prep.shapes.get(chunk.stage.index))
         if not chunk.post_process:
-            return out[0].reshape(-1, 1, 1).contiguous(), None  # gloo sends contiguous tensors only
+            # a tensor of its own: gloo sends contiguous tensors only, and deallocate_pipeline_outputs=True
+            # frees what was sent (Megatron refuses to free a view)
+            return out[0].reshape(-1, 1, 1).clone(), None
         model_out = pytree.tree_unflatten(list(out), prep.pipe.out_spec)
         loss = loss_of(mb, model_out)
         outputs[mb] = pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, model_out)
@@ -280,7 +281,8 @@ def _step(ctx: RankContext, plan: MegatronPlan, prep: _Prepared, result: Megatro
         result.stage_grads[chunk.stage.index], unmapped = grads_by_fqn(chunk.module, params)
         result.unmapped += unmapped
         result.buffers[chunk.stage.index] = buffers_by_fqn(chunk.module, buffers)
-    result.input_grads = {name: value.grad.detach().cpu() for name, value in prep.inputs.items()
+    whole = {name: unwrap_replicated(value) for name, value in prep.inputs.items()}  # a Replicated input: its value
+    result.input_grads = {name: value.grad.detach().cpu() for name, value in whole.items()
                           if isinstance(value, torch.Tensor) and value.grad is not None}
     if prep.recorder is not None:
         result.boundaries = prep.recorder.exported()
