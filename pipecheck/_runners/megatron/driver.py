@@ -36,6 +36,7 @@ from pipecheck._runners.megatron.rank import (
     MegatronRankResult,
     megatron_rank_step,
 )
+from pipecheck._schedule.names import schedule_named
 from pipecheck._split.microbatch import merge_microbatches, split_microbatches, unwrap_replicated
 from pipecheck._split.pipe import Pipe
 from pipecheck.errors import EngineError, InputError, plural
@@ -57,7 +58,7 @@ class MegatronRunner(EngineRunner):
 
     def plan(self, job: Job, pipe: Pipe) -> MegatronPlan:
         problems = []
-        schedule = str(job.schedule).strip().lower().replace("-", "_") if isinstance(job.schedule, str) else None
+        schedule = _schedule_key(job)
         if schedule not in SCHEDULES:
             problems.append(f"schedule={job.schedule!r}: Megatron Core runs '1f1b' (one stage per rank) and "
                             "'interleaved' (several)")
@@ -99,7 +100,7 @@ class MegatronRunner(EngineRunner):
                              loss=torch.stack(last.losses).mean(), input_grads=input_grads)
         knobs = ", ".join(f"{knob}={value!r}" + ("" if knob in self.config else " (Megatron's default)")
                           for knob, value in reports[0].config.items())
-        step.notes.append(f"{ENGINE} {_version()} ran {SCHEDULES[str(job.schedule).strip().lower()]} with "
+        step.notes.append(f"{ENGINE} {_version()} ran {SCHEDULES[str(_schedule_key(job))]} with "
                           f"TransformerConfig {knobs}")
         return step
 
@@ -158,6 +159,12 @@ def _boundaries(job: Job) -> tuple[list[int], str]:
     numel = [int(torch.Size(next(iter(shapes[s]))).numel()) for s in sorted(shapes)]
     dtype = str(next(iter(dtypes))).removeprefix("torch.") if dtypes else "float32"
     return numel, dtype
+
+
+def _schedule_key(job: Job) -> str | None:
+    """The job's schedule as the one table of names keys it ("Interleaved1F1B" -> "interleaved")."""
+    entry = schedule_named(job.schedule) if isinstance(job.schedule, str) else None
+    return entry.key if entry is not None else None
 
 
 def _version() -> str:
