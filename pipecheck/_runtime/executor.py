@@ -48,8 +48,7 @@ from pipecheck._runtime.stage_step import (
 from pipecheck._runtime.timeline import Event
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import split_microbatches
-from pipecheck._split.model_factory import ModelFactory
-from pipecheck._split.pipe import Pipe, Stage, split
+from pipecheck._split.pipe import Pipe, Stage, split_on
 from pipecheck._world.worker import RankContext
 from pipecheck.losses import MicrobatchLoss
 from pipecheck.policies import Policy
@@ -73,9 +72,8 @@ class StepSpec:
 
     def split_on(self, device: torch.device) -> Pipe:
         """This rank's split of the model, built on ``device``."""
-        factory = self.model.on(device) if isinstance(self.model, ModelFactory) else self.model
-        return split(factory, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
-                     tracer=self.tracer)
+        return split_on(device, self.model, self.args, self.kwargs, split_spec=self.split_spec,
+                        policy=self.policy, tracer=self.tracer)
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 
 from pipecheck._split.inputs import as_args
 from pipecheck._split.markers import PIPE_SPLIT_OP, is_marker
-from pipecheck._split.model_factory import ModelLike, build_module, copy_module
+from pipecheck._split.model_factory import ModelFactory, ModelLike, build_module, copy_module
 from pipecheck._split.trace import check_tracer, trace
 from pipecheck._split.traced import SplitSpec, Traced, normalize_split_spec
 from pipecheck.errors import SplitError, plural
@@ -373,6 +373,13 @@ def split(model: ModelLike, args: Sequence[Any] | Any, kwargs: Mapping[str, Any]
     built, owned = build_module(model)
     return split_module(built if owned else copy_module(built), args, kwargs, split_spec=split_spec,
                         policy=policy, tracer=tracer)
+
+
+def split_on(device: torch.device, model: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *,
+             split_spec: SplitSpec | None, policy: Policy | None, tracer: str) -> Pipe:
+    """A rank's own split, as the driver made it: a ModelFactory built on ``device``, cut the same way."""
+    factory = model.on(device) if isinstance(model, ModelFactory) else model
+    return split(factory, args, kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
 
 
 def split_module(model: nn.Module, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,

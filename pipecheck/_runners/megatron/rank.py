@@ -33,8 +33,7 @@ from pipecheck._runners.rank_side import buffers_by_fqn, grads_by_fqn, prepare_t
 from pipecheck._runtime.boundaries import Boundaries, instrument
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import split_microbatches, unwrap_replicated
-from pipecheck._split.model_factory import ModelFactory
-from pipecheck._split.pipe import Pipe, Stage, split
+from pipecheck._split.pipe import Pipe, Stage, split_on
 from pipecheck._world.worker import RankContext
 from pipecheck.losses import MicrobatchLoss
 
@@ -62,9 +61,8 @@ class MegatronPlan:
     record: bool = False  # record boundary values (a failing check's second run, to find where it diverges)
 
     def split_on(self, device: torch.device) -> Pipe:
-        factory = self.model.on(device) if isinstance(self.model, ModelFactory) else self.model
-        return split(factory, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
-                     tracer=self.tracer)
+        return split_on(device, self.model, self.args, self.kwargs, split_spec=self.split_spec,
+                        policy=self.policy, tracer=self.tracer)
 
 
 @dataclass
