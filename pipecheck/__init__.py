@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     "AdapterError": "pipecheck.errors",
+    "Batch": "pipecheck._core.training",
     "assert_equivalent": "pipecheck._check.equivalence",
     "Boundaries": "pipecheck._runtime.boundaries",
     "DetachExecutor": "pipecheck._runtime.reference",

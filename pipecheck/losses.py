@@ -13,14 +13,15 @@ any target, and each micro-batch sees different weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from pipecheck._split.microbatch import split_microbatches
-from pipecheck.errors import LossError, PipecheckError, first_line
+from pipecheck.errors import InputError, LossError, PipecheckError, first_line
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(outputs_of_a_microbatch, target_of_that_microbatch) -> scalar tensor``."""
@@ -87,6 +88,63 @@ def default_microbatch_target(outputs_mb: Any, microbatch: int) -> Any:
     return projection_target(outputs_mb, seed=DEFAULT_SEED + microbatch)
 
 
+LOSS_REDUCTIONS = {
+    "mean": "the mean of the micro-batches' losses (each loss_fn's own reduction, e.g. a mean)",
+    "token_mean": "every token's loss summed over all micro-batches, divided by the number of valid tokens "
+                  "(target != ignore_index) in all of them; loss_fn returns per-token losses (reduction='none')",
+    "sum": "the sum of the micro-batches' losses",
+}
+"""The loss conventions a check can hold an engine to (``loss_reduction=``), over one optimizer step."""
+
+
+def check_loss_reduction(value: Any) -> str:
+    if isinstance(value, str) and value in LOSS_REDUCTIONS:
+        return value
+    raise InputError(f"loss_reduction={value!r} is not known. Fix: use one of {list(LOSS_REDUCTIONS)}: "
+                     + "; ".join(f"{name!r}: {what}" for name, what in LOSS_REDUCTIONS.items()) + ".")
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How one schedule step's micro-batch losses add up to the loss its gradients are of.
+
+        reduction = Reduction.of("token_mean", targets, n_microbatches=4, ignore_index=-100)
+        loss = sum(reduction.weight * loss_of(mb, out) for mb, out in enumerate(outputs))
+
+    Every micro-batch's loss is multiplied by ``weight`` before its backward (torch's schedules: 1/n).
+    ``per_token``: ``loss_fn`` returns per-token losses and a micro-batch's loss is their sum.
+    ``uneven``: micro-batches may differ in size (the mean of means weighs them equally: not there).
+    """
+
+    weight: float
+    per_token: bool = False
+    uneven: bool = False
+
+    @staticmethod
+    def of(name: str, targets: Sequence[Any], n_microbatches: int, ignore_index: int = -100) -> Reduction:
+        """The reduction ``name`` over one optimizer step, whose schedule steps have ``targets``."""
+        n_total = n_microbatches * len(targets)
+        if name == "mean":
+            return Reduction(1.0 / n_total)
+        if name == "sum":
+            return Reduction(1.0, uneven=True)
+        tokens = sum(valid_tokens(target, ignore_index) for target in targets)
+        if tokens == 0:
+            raise InputError(f"loss_reduction='token_mean' but no target element differs from "
+                             f"ignore_index={ignore_index}: there is no token to average over. Fix: give targets "
+                             "with valid tokens, or the ignore_index your loss_fn uses.")
+        return Reduction(1.0 / tokens, per_token=True, uneven=True)
+
+
+def valid_tokens(target: Any, ignore_index: int) -> int:
+    """How many elements of ``target``'s tensors are not ``ignore_index`` (the tokens a loss averages over)."""
+    leaves = [leaf for leaf in pytree.tree_leaves(target) if isinstance(leaf, torch.Tensor)]
+    if not leaves:
+        raise InputError("loss_reduction='token_mean' needs a target of token labels (a tensor) to count the "
+                         f"valid tokens in; the target is {type(target).__name__}. Fix: pass target=labels.")
+    return sum(int((leaf != ignore_index).sum()) for leaf in leaves)
+
+
 class MicrobatchLoss:
     """The loss of one micro-batch, as every pipecheck runner computes it.
 
@@ -96,11 +154,14 @@ class MicrobatchLoss:
     always passes ``loss_fn`` and a full-batch target).
     """
 
-    def __init__(self, loss_fn: LossFn | None, target: Any, n_microbatches: int) -> None:
+    def __init__(self, loss_fn: LossFn | None, target: Any, n_microbatches: int,
+                 reduction: Reduction | None = None) -> None:
         self.loss_fn = loss_fn or projection_loss
         self.default = loss_fn is None
-        self.targets = (split_microbatches(target, n_microbatches, "target") if target is not None and not self.default
-                        else [None] * n_microbatches)
+        self.per_token = reduction is not None and reduction.per_token
+        uneven = reduction is not None and reduction.uneven
+        self.targets = (split_microbatches(target, n_microbatches, "target", uneven=uneven)
+                        if target is not None and not self.default else [None] * n_microbatches)
 
     def target(self, microbatch: int, outputs: Any) -> Any:
         return default_microbatch_target(outputs, microbatch) if self.default else self.targets[microbatch]
@@ -122,7 +183,22 @@ class MicrobatchLoss:
                    "make loss_fn(outputs, target) work on one micro-batch: outputs and target are split on dim 0, "
                    "so each call sees 1/n_microbatches of the batch.")
             ) from err
+        if self.per_token:
+            return per_token_sum(loss, self.loss_fn, target)
         return check_scalar_loss(loss, self.loss_fn)
+
+
+def per_token_sum(loss: Any, loss_fn: Any, target: Any) -> torch.Tensor:
+    """The sum of one micro-batch's per-token losses (``loss_reduction='token_mean'``)."""
+    n_target = sum(leaf.numel() for leaf in pytree.tree_leaves(target) if isinstance(leaf, torch.Tensor))
+    if not isinstance(loss, torch.Tensor) or (loss.numel() == 1 and n_target > 1):
+        seen = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise LossError(f"loss_reduction='token_mean' but loss_fn {_name(loss_fn)!r} returned {seen} for a target "
+                        f"of {n_target} tokens: it must return every token's loss, unreduced, so that pipecheck "
+                        "divides their sum by the valid tokens of the whole step. Fix: reduction='none' (e.g. "
+                        "F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction='none', "
+                        "ignore_index=-100)).")
+    return loss.sum()
 
 
 def _name(fn: Any) -> str:

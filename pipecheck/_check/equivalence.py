@@ -35,9 +35,11 @@ from pipecheck._check.eager import (
 from pipecheck._check.localise import ReferenceByMicrobatch, locate, not_located
 from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_tolerance
 from pipecheck._check.report import Report, percent
+from pipecheck._check.training import check_training, refuse_one_call
 from pipecheck._check.truth64 import float64_truth
 from pipecheck._core.result import StepResult
-from pipecheck._runners.arguments import check_arguments, plain
+from pipecheck._core.training import Batch, OptimizerFactory, Training
+from pipecheck._runners.arguments import check_arguments, plain, training_arguments
 from pipecheck._runners.job import Job, Runner
 from pipecheck._runners.registry import RUNNERS, runner_named
 from pipecheck._split.inputs import prepare_inputs
@@ -82,7 +84,9 @@ def assert_equivalent(
     runner: Any = "distributed", device: str | None = None, dtype: torch.dtype | None = None,
     tolerance: ToleranceLike = "auto", check_grads: bool = True, seed: int = 0, tracer: str = "auto",
     stages_per_rank: int = 1, timeout: float | None = None, world: World | None = None,
-    trace_path: str | None = None,
+    trace_path: str | None = None, steps: int = 1, optimizer: OptimizerFactory | None = None,
+    clip_grad_norm: float | None = None, accumulation_steps: int = 1, loss_reduction: str = "mean",
+    ignore_index: int = -100, batches: Sequence[Batch] | None = None,
 ) -> Report:
     """Check that ``runner`` computes the eager model's outputs, loss and gradients.
 
@@ -90,7 +94,13 @@ def assert_equivalent(
                              n_microbatches=4, runner="reference")
 
     ``world`` runs a distributed runner on that World (default: a shared one of
-    ``world_size`` ranks); ``trace_path`` writes its timeline. Raises
+    ``world_size`` ranks); ``trace_path`` writes its timeline.
+
+    Training (docs/training.md): ``steps`` optimizer steps of ``optimizer(params)`` (a factory; with
+    ``clip_grad_norm``), each over ``accumulation_steps`` schedule steps, on ``batches`` (one
+    ``pc.Batch`` per schedule step; default: ``args`` every time); ``loss_reduction`` "mean" (of
+    micro-batch losses), "token_mean" (per-token losses over the valid tokens of the whole optimizer
+    step, ``ignore_index`` skipped) or "sum". The runner needs a ``train`` method. Raises
     :class:`pipecheck.EquivalenceError` (an AssertionError) with a table naming
     every failing tensor, or returns the :class:`pipecheck.Report`.
     """
@@ -100,26 +110,34 @@ def assert_equivalent(
                     policy=policy, loss_fn=loss_fn, target=target, n_microbatches=n_microbatches,
                     world_size=world_size, stages_per_rank=stages_per_rank, seed=seed, check_grads=check_grads,
                     timeout=timeout, world=world, trace_path=trace_path)
+    training, given_batches = training_arguments(
+        "assert_equivalent", steps=steps, accumulation_steps=accumulation_steps, optimizer=optimizer,
+        clip_grad_norm=clip_grad_norm, loss_reduction=loss_reduction, ignore_index=ignore_index, batches=batches,
+        loss_fn=loss_fn)
     n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout = map(
         plain, (n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout))
     runner_name, run = resolve_runner(runner)
+    if not training.plain or given_batches:
+        refuse_one_call(run, runner_name, training)  # before any work
     with _ONE_CHECK_AT_A_TIME:
         return _check(model, args, kwargs, split_spec, policy, loss_fn, target, n_microbatches, schedule,
                       world_size, runner_name, run, device, dtype, tolerance, check_grads, seed, tracer,
-                      stages_per_rank, timeout, world, trace_path)
+                      stages_per_rank, timeout, world, trace_path, training, given_batches)
 
 
 # One check at a time per process: a check seeds and restores torch's global RNG around its eager
 # runs, and two threads doing so at once draw from each other's streams (measured: 6 of 50
 # reference checks in two threads failed, blaming the model).
 _ONE_CHECK_AT_A_TIME = threading.RLock()
+_ONE_STEP = Training()
 
 
 def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: SplitSpec | None,
            policy: Policy | None, loss_fn: LossFn | None, target: Any, n_microbatches: int, schedule: str,
            world_size: int | None, runner_name: str, run: Runner, device: str | None, dtype: torch.dtype | None,
            tolerance: ToleranceLike, check_grads: bool, seed: int, tracer: str, stages_per_rank: int,
-           timeout: float | None, world: World | None, trace_path: str | None) -> Report:
+           timeout: float | None, world: World | None, trace_path: str | None, training: Training = _ONE_STEP,
+           given_batches: tuple[Batch, ...] = ()) -> Report:
     timings: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -145,6 +163,16 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     check_split = getattr(run, "check_split", None)
     if check_split is not None:  # a runner's refusal of this split, before any eager work
         check_split(pipe)
+    if not training.plain or given_batches:
+        job = Job(model=factory, args=inputs.args, kwargs=inputs.kwargs, split_spec=split_spec, policy=policy,
+                  tracer=tracer, loss_fn=loss_fn, target=inputs.target, n_microbatches=n_microbatches,
+                  schedule=schedule, world_size=world_size, stages_per_rank=stages_per_rank,
+                  device=str(device or "cpu"), timeout=timeout, world=world, trace_path=trace_path, pipe=pipe,
+                  training=training, batches=given_batches)
+        report = check_training(run, runner_name, job, built, inputs, tolerance, check_grads, seed, clock,
+                                dtype, device)
+        report.timings.update(timings, total_s=time.perf_counter() - started)
+        return _verdict(report, tolerance, factory)
     initial_buffers = {name: b.detach().clone() for name, b in built.named_buffers()}
     with clock("eager_s"), seeded(seed), buffers_kept(built):  # the user's RNG: untouched
         eager, target_used = eager_step(built, inputs, loss_fn, n_microbatches, check_grads)
@@ -175,12 +203,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
                     str(result_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings,
                     notes, pipe.tracer)
-    if tolerance == "auto" and report.blind:  # rows that pass whatever the runner did there
-        if report.ok:
-            raise PowerError(report.power_text(), report)
-        report.notes.append(f"{plural(len(report.blind), 'tensor')} could hide an error of {percent(POWER_LIMIT)} "
-                            f"or more ({report.dtype} eager is itself far from float64 there): their passing rows "
-                            "certify nothing; err.report.blind lists them, dtype=torch.float64 checks them")
+    _judge_blind(report, tolerance)
     if not report.ok:
         # a factory that builds other weights on each call: no runner can match, whatever the table says
         refuse_unreproducible(factory, f"{len(report.failures)} of {len(report.rows)} tensors failed")
@@ -192,6 +215,26 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
             except Exception as err:  # a diagnosis that fails (out of memory) never hides the verdict
                 report.located = not_located("locating it failed", err)
         report.timings["locate_s"] = timings["locate_s"]
+        raise EquivalenceError(report.failure_text(), report)
+    return report
+
+
+def _judge_blind(report: Report, tolerance: ToleranceLike) -> None:
+    """A passing check whose rows could hide a gross error certifies nothing: PowerError; a failing
+    one says which of its passing rows certify nothing."""
+    if tolerance == "auto" and report.blind:  # rows that pass whatever the runner did there
+        if report.ok:
+            raise PowerError(report.power_text(), report)
+        report.notes.append(f"{plural(len(report.blind), 'tensor')} could hide an error of {percent(POWER_LIMIT)} "
+                            f"or more ({report.dtype} eager is itself far from float64 there): their passing rows "
+                            "certify nothing; err.report.blind lists them, dtype=torch.float64 checks them")
+
+
+def _verdict(report: Report, tolerance: ToleranceLike, factory: ModelFactory) -> Report:
+    """A training check's report returned, or raised as an EquivalenceError."""
+    _judge_blind(report, tolerance)
+    if not report.ok:
+        refuse_unreproducible(factory, f"{len(report.failures)} of {len(report.rows)} tensors failed")
         raise EquivalenceError(report.failure_text(), report)
     return report
 

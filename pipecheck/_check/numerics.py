@@ -104,14 +104,17 @@ class Row:
             raise ValueError(f"Row kind {self.kind!r} is not one of {KINDS}")
 
 
-KINDS = ("outputs", "loss", "buffers", "grads")  # in dataflow order: what the forward gives, then the step's
+KINDS = ("outputs", "loss", "buffers", "grads", "params")  # in dataflow order: what the forward gives, then the step's
 
 
 def kind_of_name(name: str) -> str:
     """The kind a row's name says (``output...``, ``loss``, ``buffer ...``, ``grad ...``), for rows made
     by hand; the comparison sets each row's kind itself."""
+    name = name.split(": ", 1)[1] if name.startswith("step ") and ": " in name else name  # a training check's
     if name.startswith("grad "):
         return "grads"
+    if name.startswith("param "):
+        return "params"
     if name.startswith("buffer "):
         return "buffers"
     return "loss" if name == "loss" else "outputs"

@@ -200,6 +200,7 @@ class Report:
     # and the reference differ, when the runner's stages could record them; ``located`` says it in words.
     first_divergence: Divergence | None = None
     located: str = ""
+    training: str = ""  # a check that trained: its loop ("3 steps of SGD, loss mean"); "": one step
 
     @property
     def failures(self) -> list[Row]:
@@ -228,7 +229,7 @@ class Report:
     def _settings(self) -> str:
         split_by = f" split by {self.tracer}" if self.tracer else ""
         return (f"tolerance {self.tolerance}, {self.dtype}, {plural(self.num_stages, 'stage')}{split_by}, "
-                f"{plural(self.n_microbatches, 'micro-batch')}")
+                f"{plural(self.n_microbatches, 'micro-batch')}" + (f", {self.training}" if self.training else ""))
 
     def headline(self) -> str:
         if self.ok:

@@ -37,6 +37,10 @@ class StepResult:
     boundaries: dict[tuple[int, int, str, str], torch.Tensor] = field(default_factory=dict)
     # Optional: what the runner wants the report to say (its engine's version and configuration).
     notes: list[str] = field(default_factory=list)
+    # A training step's (``runner.train``): every parameter after the optimizer step, by original FQN,
+    # and every replica of a tied parameter after it, fqn -> stage -> value.
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    replica_params: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
 
 BoundaryKey = tuple[int, int, str, str]  # (stage, micro-batch, point, value name)
@@ -55,5 +59,6 @@ class RankReport:
     buffers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> after the step
     boundaries: dict[BoundaryKey, torch.Tensor] = field(default_factory=dict)  # when the spec says record
     timings: dict[str, float] = field(default_factory=dict)
+    params: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> after an optimizer step
     unmapped: list[str] = field(default_factory=list)  # the engine's parameter names with no original FQN
     failure: RankError | None = None  # this rank failed before communicating

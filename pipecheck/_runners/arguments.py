@@ -22,9 +22,11 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._core.training import Batch, Training
 from pipecheck._split.inputs import as_args
 from pipecheck._split.microbatch import Replicated
 from pipecheck.errors import InputError
+from pipecheck.losses import check_loss_reduction
 
 _UNSET: Any = object()
 
@@ -205,3 +207,60 @@ def check_arguments(
     if problems:
         raise InputError(f"{caller} was called with {len(problems)} problems:\n"
                          + "\n".join(f"  - {p}" for p in problems))
+
+
+def training_arguments(caller: str, *, steps: Any = 1, accumulation_steps: Any = 1, optimizer: Any = None,
+                       clip_grad_norm: Any = None, loss_reduction: Any = "mean", ignore_index: Any = -100,
+                       batches: Any = None, loss_fn: Any = None) -> tuple[Training, tuple[Batch, ...]]:
+    """The check's training loop and its batches, or one InputError listing every problem."""
+    problems: list[str] = []
+    _positive_int("steps", steps, problems)
+    _positive_int("accumulation_steps", accumulation_steps, problems)
+    if optimizer is not None and not callable(optimizer):
+        problems.append(f"optimizer={_shown(optimizer)} is not a factory. Fix: pass a function of the parameters, "
+                        "e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1).")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        problems[-1] = ("optimizer= is an optimizer already built over some parameters; pipecheck builds one "
+                        "over each engine's own copy. Fix: pass a factory, e.g. optimizer=lambda params: "
+                        f"torch.optim.{type(optimizer).__name__}(params, lr=...).")
+    if clip_grad_norm is not None:
+        if _is_bool(clip_grad_norm) or not isinstance(clip_grad_norm, numbers.Real) or not (
+                math.isfinite(clip_grad_norm) and float(clip_grad_norm) > 0):
+            problems.append(f"clip_grad_norm={_shown(clip_grad_norm)} must be a positive number (the largest "
+                            "gradient 2-norm). Fix: e.g. clip_grad_norm=1.0.")
+        elif optimizer is None:
+            problems.append("clip_grad_norm was given without optimizer: clipping is part of the optimizer step. "
+                            "Fix: pass optimizer=lambda params: torch.optim.SGD(params, lr=0.1) too.")
+    try:
+        check_loss_reduction(loss_reduction)
+    except InputError as err:
+        problems.append(str(err))
+    else:
+        if loss_reduction == "token_mean" and loss_fn is None:
+            problems.append("loss_reduction='token_mean' needs loss_fn returning every token's loss (reduction="
+                            "'none') and a target of labels. Fix: loss_fn=lambda logits, labels: F.cross_entropy("
+                            "logits.flatten(0, -2), labels.flatten(), reduction='none').")
+    if not _is_int(ignore_index):
+        problems.append(f"ignore_index={_shown(ignore_index)} must be an int (the label the loss skips). "
+                        "Fix: e.g. ignore_index=-100.")
+    found: tuple[Batch, ...] = ()
+    if batches is not None:
+        found = tuple(batches) if isinstance(batches, (list, tuple)) else ()
+        wrong = [i for i, batch in enumerate(found) if not isinstance(batch, Batch)]
+        if not found or wrong:
+            problems.append(f"batches={_shown(batches)} must be a non-empty list of pc.Batch"
+                            + (f" (item {wrong[0]} is {type(found[wrong[0]]).__name__})" if wrong else "")
+                            + ". Fix: batches=[pc.Batch((x0,), target=y0), pc.Batch((x1,), target=y1)].")
+        elif _is_int(steps) and _is_int(accumulation_steps) and len(found) != steps * accumulation_steps:
+            problems.append(f"batches has {len(found)} batches, but steps={steps} x accumulation_steps="
+                            f"{accumulation_steps} schedule steps need {steps * accumulation_steps}. Fix: one "
+                            "pc.Batch per schedule step, or steps=len(batches) // accumulation_steps.")
+        for i, batch in enumerate(found if not wrong else ()):
+            problems += _foreign_leaves((batch.args, dict(batch.kwargs), batch.target), f"batches[{i}]")
+    if len(problems) == 1:
+        raise InputError(f"{caller}: {problems[0]}")
+    if problems:
+        raise InputError(f"{caller} was called with {len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
+    training = Training(plain(steps), plain(accumulation_steps), optimizer,
+                        None if clip_grad_norm is None else float(clip_grad_norm), loss_reduction, plain(ignore_index))
+    return training, found

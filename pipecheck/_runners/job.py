@@ -13,6 +13,16 @@ picklable zero-argument factory, which is what travels to worker processes.
 ``job.split()`` gives a private copy to run. A runner may also have a method
 ``check_split(pipe)``: the check calls it as soon as the model is split, before
 any eager work, and it raises ``pc.InputError`` for a split it cannot run.
+
+A check that trains (``steps``, ``optimizer``, ``accumulation_steps``, ``loss_reduction``) needs a
+runner that keeps its engine across steps: one with a method ``train(job) -> list[StepResult]``,
+one result per optimizer step, its ``grads`` before the optimizer and its ``params`` after it::
+
+    class MyRunner:
+        def __call__(self, job): ...                       # one step, as above
+        def train(self, job):
+            engine = build_engine(job.build_model(), job.training.optimizer)   # set up once
+            return [engine.train_step(batches) for batches in job.optimizer_steps()]
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch.nn as nn
 
 from pipecheck._core.result import StepResult
+from pipecheck._core.training import Batch, Training
 from pipecheck._runtime.boundaries import Boundaries, instrument
 from pipecheck._split.pipe import Pipe, split
 from pipecheck.losses import LossFn
@@ -62,6 +73,10 @@ class Job:
     # Set when the check re-runs a failing job to find where it diverges: every split() then records its
     # stage modules' boundary values here (an engine that runs other modules may call boundaries.record).
     boundaries: Boundaries | None = field(default=None, repr=False)
+    # How the check trains (several optimizer steps, accumulation, the loss convention) and the batch of
+    # each schedule step (empty: every schedule step runs ``args``, ``kwargs``, ``target``).
+    training: Training = field(default_factory=Training)
+    batches: tuple[Batch, ...] = ()
     # The job's model cut once by structure() when it has no ``pipe``: private, so a copy made with
     # dataclasses.replace (other inputs, another cut) splits again.
     _split: Pipe | None = field(default=None, init=False, repr=False, compare=False)
@@ -86,6 +101,17 @@ class Job:
             self._split = split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
                                 tracer=self.tracer)
         return self._split
+
+    def schedule_batches(self) -> list[Batch]:
+        """The batch of every schedule step of the training loop, in order."""
+        if self.batches:
+            return list(self.batches)
+        return [Batch(self.args, self.kwargs, self.target)] * self.training.schedule_steps
+
+    def optimizer_steps(self) -> list[list[Batch]]:
+        """The batches of each optimizer step: ``accumulation_steps`` schedule steps each."""
+        batches, g = self.schedule_batches(), self.training.accumulation_steps
+        return [batches[i:i + g] for i in range(0, len(batches), g)]
 
     @functools.cached_property
     def bound(self) -> dict[str, Any]:

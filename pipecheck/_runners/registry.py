@@ -46,7 +46,7 @@ class RunnerEntry:
 
 RUNNERS: dict[str, RunnerEntry] = {
     entry.name: entry for entry in (
-        RunnerEntry("reference", "pipecheck's DetachExecutor, in this process", "pipecheck._runners.base:run_reference",
+        RunnerEntry("reference", "pipecheck's DetachExecutor, in this process", "pipecheck._runners.training:reference_runner",
                     aliases=("detach_executor",), on_world=False),
         RunnerEntry("distributed", "pipecheck's runtime", "pipecheck._runners.runtime.driver:run_distributed",
                     aliases=("pipecheck_runtime",)),

@@ -50,7 +50,7 @@ from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import split_microbatches
 from pipecheck._split.pipe import Pipe, Stage, split_on
 from pipecheck._world.worker import RankContext
-from pipecheck.losses import MicrobatchLoss
+from pipecheck.losses import MicrobatchLoss, Reduction
 from pipecheck.policies import Policy
 from pipecheck.schedules import Action, Schedule
 
@@ -69,6 +69,7 @@ class StepSpec:
     target: Any
     schedule: Schedule
     record: bool = False  # record boundary values (a failing check's second run, to find where it diverges)
+    reduction: Reduction | None = None  # how micro-batch losses add up (None: their mean)
 
     def split_on(self, device: torch.device) -> Pipe:
         """This rank's split of the model, built on ``device``."""
@@ -123,11 +124,9 @@ class StageExecutor:
             instrument(self.pipe, self.recorder)
         self.stage_to_rank = spec.schedule.stage_to_rank
         self.links = Links(self.pipe, self.stage_to_rank, ctx.device, ctx.comm_device, ctx.secret)
-        n = spec.schedule.n_microbatches
-        self.n_microbatches = n
-        inputs = cast_inputs(self.pipe.bind_inputs(spec.args, spec.kwargs), None, ctx.device)
-        self.inputs = split_microbatches(inputs, n)
-        self.loss_of = MicrobatchLoss(spec.loss_fn, cast_inputs(spec.target, None, ctx.device), n)
+        self.n_microbatches = spec.schedule.n_microbatches
+        self.loss_fn = spec.loss_fn
+        self.use_batch(spec.args, spec.kwargs, spec.target, spec.reduction)
         self.consumers: dict[tuple[int, str], list[int]] = {}
         for edge in self.pipe.edges:
             if edge.src is not None:
@@ -135,6 +134,22 @@ class StageExecutor:
         for key in self.consumers:
             self.consumers[key].sort(reverse=True)  # gradient sum order: last consumer first
         self._reset()
+
+    def use_batch(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any,
+                  reduction: Reduction | None) -> None:
+        """The inputs and loss of the next steps (a training loop's next batch). Every rank runs the same
+        batches, so all of them forget the channels' layouts together when a shape changes."""
+        n = self.n_microbatches
+        inputs = cast_inputs(self.pipe.bind_inputs(args, kwargs), None, self.ctx.device)
+        uneven = reduction is not None and reduction.uneven
+        shapes = [tuple(leaf.shape) for leaf in pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]
+        if getattr(self, "_shapes", shapes) != shapes:
+            self.links.layouts.clear()
+            self.links.sent_layouts.clear()
+        self._shapes = shapes
+        self.inputs = split_microbatches(inputs, n, uneven=uneven)
+        self.loss_of = MicrobatchLoss(self.loss_fn, cast_inputs(target, None, self.ctx.device), n, reduction)
+        self.loss_scale = 1.0 / n if reduction is None else reduction.weight
 
     def _reset(self) -> None:
         """Fresh per-step state; the split, inputs and links' layouts are kept across steps."""
@@ -241,9 +256,9 @@ class StageExecutor:
         loss = self.loss_values.pop(mb) if last else None
         if weights_later:  # the weight gradients wait for this micro-batch's W
             in_grads, self.weights_pending[(s, mb)] = stage_backward_input(stage, fwd, out_grads, loss,
-                                                                           1.0 / self.n_microbatches)
+                                                                           self.loss_scale)
         else:
-            in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss, 1.0 / self.n_microbatches)
+            in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss, self.loss_scale)
             add_param_grads(self.result.stage_grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
         self._record("backward", f"{s}{kind}{mb}", start)
         sent: dict[tuple[int, str], tuple[Any, LeafGrads]] = {}

@@ -33,7 +33,7 @@ from pipecheck._runtime.stage_step import (
 from pipecheck._split.inputs import as_args
 from pipecheck._split.microbatch import merge_microbatches, replicated_names, split_microbatches
 from pipecheck._split.pipe import Pipe
-from pipecheck.losses import LossFn, MicrobatchLoss
+from pipecheck.losses import LossFn, MicrobatchLoss, Reduction
 
 
 def sum_stage_grads(per_stage: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -83,15 +83,18 @@ class DetachExecutor:
                     pending[key] = add_leaf_grads(pending.get(key), grads)
 
     def step(self, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
-             loss_fn: LossFn | None = None, target: Any = None, n_microbatches: int = 1) -> StepResult:
-        """One training step; the loss is the mean over micro-batches of ``loss_fn(out_mb, target_mb)``.
+             loss_fn: LossFn | None = None, target: Any = None, n_microbatches: int = 1,
+             reduction: Reduction | None = None) -> StepResult:
+        """One training step; the loss is the mean over micro-batches of ``loss_fn(out_mb, target_mb)``,
+        or with ``reduction`` the sum of each micro-batch's loss times ``reduction.weight``.
 
         Without ``loss_fn`` the loss is a seeded random projection of every output element.
         """
         started = time.perf_counter()
         bound = self.pipe.bind_inputs(as_args(args), kwargs)
-        inputs = split_microbatches(bound, n_microbatches)
-        loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
+        inputs = split_microbatches(bound, n_microbatches, uneven=reduction is not None and reduction.uneven)
+        loss_of = MicrobatchLoss(loss_fn, target, n_microbatches, reduction)
+        scale = 1.0 / n_microbatches if reduction is None else reduction.weight
         forwards = [self.forward_microbatch(mb) for mb in inputs]
         outputs = [pytree.tree_unflatten(list(f[-1].outputs), self.pipe.out_spec) for f in forwards]
         merged = merge_microbatches([pytree.tree_map(_detached, o) for o in outputs])
@@ -100,10 +103,10 @@ class DetachExecutor:
         input_grads: dict[InputGradKey, LeafGrads] = {}
         owned: list[set[str]] = [set() for _ in self.pipe.stages]
         for mb, (fwd, loss) in enumerate(zip(forwards, losses)):
-            self.backward_microbatch(mb, fwd, loss, 1.0 / n_microbatches, param_grads, owned, input_grads)
+            self.backward_microbatch(mb, fwd, loss, scale, param_grads, owned, input_grads)
         return StepResult(
             outputs=merged,
-            loss=torch.stack([loss.detach() for loss in losses]).mean(),
+            loss=weighted_loss([loss.detach() for loss in losses], reduction),
             grads=sum_stage_grads(param_grads),
             input_grads=merge_input_grads(input_grads, n_microbatches, replicated_names(bound)),
             buffers=self.pipe.buffers_after_step(),
@@ -127,6 +130,13 @@ class DetachExecutor:
                                      [set() for _ in self.pipe.stages], {})
             shares.append(sum_stage_grads(param_grads))
         return shares
+
+
+def weighted_loss(losses: Sequence[torch.Tensor], reduction: Reduction | None) -> torch.Tensor:
+    """A step's loss from its micro-batches' own: their mean, or their sum times ``reduction.weight``."""
+    if reduction is None:
+        return torch.stack(list(losses)).mean()
+    return torch.stack(list(losses)).sum() * reduction.weight
 
 
 def _detached(value: Any) -> Any:

@@ -52,7 +52,9 @@ def _path(keypath: tuple[Any, ...]) -> str:
     return pytree.keystr(keypath)  # "" for a bare tensor: the message reads "target has ..."
 
 
-def split_microbatches(value: Any, n_microbatches: int, what: str = "input") -> list[Any]:
+def split_microbatches(value: Any, n_microbatches: int, what: str = "input", *, uneven: bool = False) -> list[Any]:
+    """``value`` in ``n_microbatches`` pieces on dim 0; ``uneven``: sizes may differ by one (as
+    ``torch.tensor_split`` cuts), for a loss convention that does not weigh micro-batches equally."""
     if not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise InputError(f"n_microbatches={n_microbatches!r} must be a positive int.")
     leaves, spec = pytree.tree_flatten_with_path(value)
@@ -62,7 +64,11 @@ def split_microbatches(value: Any, n_microbatches: int, what: str = "input") -> 
             columns.append([leaf.value] * n_microbatches)
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             batch = leaf.shape[0]
-            if batch % n_microbatches:
+            if uneven and batch < n_microbatches:
+                raise InputError(f"{what}{_path(keypath)} has batch size {batch} on dim 0, fewer than "
+                                 f"n_microbatches={n_microbatches}: a micro-batch would be empty. Fix: a smaller "
+                                 "n_microbatches, or a larger batch.")
+            if batch % n_microbatches and not uneven:
                 raise InputError(
                     f"{what}{_path(keypath)} has batch size {batch} on dim 0, not divisible by "
                     f"n_microbatches={n_microbatches}. Fix: use a batch size that is a multiple of "
@@ -70,7 +76,7 @@ def split_microbatches(value: Any, n_microbatches: int, what: str = "input") -> 
                     f"has no batch dimension (shape {tuple(leaf.shape)}), pass it as pc.Replicated(value): "
                     "every micro-batch then gets it whole."
                 )
-            chunks = leaf.split(batch // n_microbatches)
+            chunks = leaf.tensor_split(n_microbatches) if uneven else leaf.split(batch // n_microbatches)
             # Views of one tensor share its version counter: a forward that writes into its input
             # (``x.mul_(2)``) would invalidate what autograd saved from the micro-batches before it.
             columns.append([chunk.clone() for chunk in chunks] if n_microbatches > 1 else list(chunks))

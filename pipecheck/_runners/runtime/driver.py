@@ -21,6 +21,7 @@ from pipecheck._runners.arguments import check_arguments, plain
 from pipecheck._runners.base import run_on_world
 from pipecheck._runners.engine import EngineRunner, merge_reports
 from pipecheck._runners.job import Job
+from pipecheck._runners.training import train_distributed
 from pipecheck._runtime.executor import RankResult, StepSpec, dependencies, rank_step
 from pipecheck._runtime.stage_step import InputGradKey, LeafGrads, merge_input_grads
 from pipecheck._runtime.timeline import write_chrome_trace
@@ -91,6 +92,10 @@ class DistributedRunner(EngineRunner):
 
     def run(self, world: World, plan: StepSpec, job: Job) -> list[Any]:
         return run_on_world(world, rank_step, plan, job)  # pipecheck's own ranks: their errors as the World raises them
+
+    def train(self, job: Job) -> list[StepResult]:
+        """Several optimizer steps, each rank keeping its stages and optimizer (pipecheck._runners.training)."""
+        return train_distributed(self, job)
 
     def merge(self, job: Job, pipe: Pipe, plan: StepSpec, reports: Sequence[RankResult]) -> StepResult:
         replicated = replicated_names(job.bound)

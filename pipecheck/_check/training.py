@@ -1,0 +1,240 @@
+"""A check that trains: every optimizer step of the runner's engine against eager trained the same way.
+
+    report = check_training(run, "distributed", job, built, batches, tolerance, seed)
+
+The eager model (in the check's dtype) and its float64 copy (the truth) train the same steps on the
+same batches. After every optimizer step the runner's loss, outputs, gradients before the optimizer,
+every parameter and every tied replica after it, and the buffers are compared with them, row by row,
+named ``step t: grad fc.weight`` (no prefix for a one-step check). Tolerance "auto" compares each step
+against eager's own error at that step, which grows over steps as the runner's may.
+
+On failure the report says where the runs part: the first optimizer step with a failing row, and the
+first kind of value there in the order a step computes them (outputs and loss, gradients, parameters,
+buffers), with a hint when the pattern is known (gradients never zeroed between steps, an update the
+optimizer applied differently to gradients that match).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from pipecheck._check.diagnose import diagnose_grad, matches
+from pipecheck._check.eager import check_deterministic, check_finite, output_name
+from pipecheck._check.numerics import Row, ToleranceLike, compare, judge_power
+from pipecheck._check.report import Report
+from pipecheck._check.train_eager import (
+    float64_batches,
+    float64_copy,
+    prepared_batches,
+    train_eager,
+)
+from pipecheck._core.result import StepResult
+from pipecheck._core.training import Batch, Training
+from pipecheck._runners.job import Job
+from pipecheck._split.inputs import Inputs
+from pipecheck._split.model_factory import seeded
+from pipecheck._split.pipe import Pipe
+from pipecheck.errors import EngineError, InputError, PipecheckError, plural
+from pipecheck.losses import projection_loss
+
+ORDER = ("outputs", "loss", "grads", "params", "buffers")  # how one optimizer step computes them
+
+
+def refuse_one_call(run: Any, runner_name: str, training: Training) -> Callable[[Job], Any]:
+    """The runner's ``train`` method, or an InputError saying what a training check needs (before any eager work)."""
+    train = getattr(run, "train", None)
+    if callable(train):
+        return train
+    raise InputError(f"runner {runner_name!r} runs one step per call (runner(job)); a check of "
+                     f"{training.describe()} needs an engine kept from step to step: a runner with a method "
+                     "train(job) -> list[StepResult], one per optimizer step. Fix: runner='reference' or "
+                     "runner='distributed', or give your runner a train method (docs/training.md).")
+
+
+def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module, inputs: Inputs,
+                   tolerance: ToleranceLike, check_grads: bool, seed: int,
+                   clock: Callable[[str], AbstractContextManager[None]], dtype: torch.dtype | None = None,
+                   device: str | None = None) -> Report:
+    """The report of a training check (a verdict still to judge: see assert_equivalent)."""
+    train = refuse_one_call(run, runner_name, job.training)
+    pipe = job.structure()
+    with clock("eager_s"):
+        batches = prepared_batches(built, job.schedule_batches(), dtype, device)
+        uneven = job.training.loss_reduction != "mean"  # its micro-batches may differ in size: probe them whole
+        check_deterministic(built, inputs, 1 if uneven else job.n_microbatches, seed)
+        eager, truth, targets = eager_runs(built, batches, job, seed)
+    job = dataclasses.replace(job, loss_fn=job.loss_fn or projection_loss, target=targets[0],
+                              batches=training_batches(batches, targets))
+    with clock("runner_s"):
+        results = runner_steps(train, runner_name, job)
+    with clock("compare_s"):
+        rows, hints, located = compare_steps(pipe, job, results, eager, truth, tolerance, check_grads)
+    out_dtype = next((leaf.dtype for leaf in pytree.tree_leaves(eager[0].outputs)
+                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()), torch.float32)
+    notes = [note for result in results[:1] for note in result.notes]
+    report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
+                    str(out_dtype).replace("torch.", ""), job.n_microbatches, pipe.num_stages, {}, notes, pipe.tracer,
+                    training=job.training.describe())
+    report.located = located
+    return report
+
+
+def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: int
+               ) -> tuple[list[StepResult], list[StepResult], list[Any]]:
+    """Eager trained in its dtype, the float64 truth trained the same way, and each batch's target."""
+    model = copy.deepcopy(built)  # the split's stages share ``built``'s parameters: train copies only
+    with seeded(seed):
+        eager, targets = train_eager(model, batches, job.training, job.loss_fn, job.n_microbatches)
+    del model
+    for step in eager:
+        check_finite(step)
+    batches64, targets64 = float64_batches(batches, targets)
+    with seeded(seed):
+        truth, _ = train_eager(float64_copy(built), batches64, job.training, job.loss_fn or projection_loss,
+                               job.n_microbatches, targets=targets64)
+    return eager, truth, targets
+
+
+def runner_steps(train: Callable[[Job], Any], runner_name: str, job: Job) -> list[StepResult]:
+    try:
+        results = train(job)
+    except PipecheckError:
+        raise
+    except Exception as err:
+        raise EngineError(f"runner {runner_name!r} failed to train: {type(err).__name__}: {err}",
+                          engine=runner_name) from err
+    results = list(results) if isinstance(results, (list, tuple)) else results
+    steps = job.training.steps
+    if not isinstance(results, list) or len(results) != steps or not all(isinstance(r, StepResult) for r in results):
+        got = f"{len(results)} items" if isinstance(results, list) else type(results).__name__
+        raise EngineError(f"runner {runner_name!r}.train(job) returned {got}; it must return a list of "
+                          f"{plural(steps, 'pc.StepResult')}, one per optimizer step (grads before the optimizer, "
+                          "params after it).", engine=runner_name)
+    return results
+
+
+def training_batches(batches: Sequence[Inputs], targets: Sequence[Any]) -> tuple[Batch, ...]:
+    return tuple(Batch(b.args, dict(b.kwargs), target) for b, target in zip(batches, targets))
+
+
+def compare_steps(pipe: Pipe, job: Job, results: list[StepResult], eager: list[StepResult],
+                  truth: list[StepResult], tolerance: ToleranceLike, check_grads: bool
+                  ) -> tuple[list[Row], dict[str, str], str]:
+    """Every row of every step, hints, and where the runs part (in words; "" when they do not)."""
+    rows: list[Row] = []
+    by_step: list[list[Row]] = []
+    for t, (result, e, r) in enumerate(zip(results, eager, truth)):
+        prefix = f"step {t}: " if len(results) > 1 else ""
+        step_rows = _step_rows(pipe, job, prefix, result, e, r, tolerance, check_grads)
+        by_step.append(step_rows)
+        rows += step_rows
+    rows = judge_power(rows)
+    judged = iter(rows)
+    by_step = [[next(judged) for _ in step] for step in by_step]
+    hints: dict[str, str] = {}
+    located = ""
+    for t, step_rows in enumerate(by_step):
+        failing = [row for row in step_rows if not row.ok]
+        if not failing:
+            continue
+        kind = min((row.kind for row in failing), key=ORDER.index)
+        first = [row.name for row in failing if row.kind == kind]
+        before = "" if t == 0 else " (step 0 matches)" if t == 1 else f" (steps 0 to {t - 1} match)"
+        located = (f"first divergence: optimizer step {t} of {len(by_step)}{before}, in its {_KIND_WORDS[kind]}: "
+            + ", ".join(first[:3]) + (f" and {len(first) - 3} more" if len(first) > 3 else ""))
+        _hint_step(t, step_rows, results, truth, job, hints)
+        break
+    return rows, hints, located
+
+
+_KIND_WORDS = {"outputs": "outputs", "loss": "loss", "grads": "gradients before the optimizer",
+               "params": "parameters after the optimizer step", "buffers": "buffers"}
+
+
+def _step_rows(pipe: Pipe, job: Job, prefix: str, result: StepResult, eager: StepResult, truth: StepResult,
+               tolerance: ToleranceLike, check_grads: bool) -> list[Row]:
+    last = (pipe.num_stages - 1,)
+    rows = []
+    g = job.training.accumulation_steps
+    for a in range(g):  # an accumulating step's outputs: one per schedule step
+        suffix = f" (schedule step {a} of {g})" if g > 1 else ""
+        tested = result.outputs if g == 1 else result.outputs[a] if isinstance(result.outputs, (tuple, list)) \
+            and len(result.outputs) == g else None
+        got = {output_name(path): leaf for path, leaf in pytree.tree_flatten_with_path(tested)[0]}
+        expected, true_outputs = (eager.outputs, truth.outputs) if g == 1 else (eager.outputs[a], truth.outputs[a])
+        for (path, leaf), true in zip(pytree.tree_flatten_with_path(expected)[0], pytree.tree_leaves(true_outputs)):
+            name = output_name(path)
+            rows.append(compare(prefix + name + suffix, got.get(name), leaf, true, tolerance, last, kind="outputs"))
+    rows.append(compare(prefix + "loss", result.loss, eager.loss, truth.loss, tolerance, last, kind="loss"))
+    if check_grads:
+        for fqn, grad in eager.grads.items():
+            stages = pipe.param_stages(fqn)
+            rows.append(compare(f"{prefix}grad {fqn}", result.grads.get(fqn), grad, truth.grads[fqn], tolerance,
+                                stages, kind="grads"))
+            for stage, replica in sorted(result.replica_grads.get(fqn, {}).items()):
+                rows.append(compare(f"{prefix}grad {fqn} (replica in stage {stage})", replica, grad,
+                                    truth.grads[fqn], tolerance, (stage,), kind="grads"))
+    for fqn, param in eager.params.items():
+        stages = pipe.param_stages(fqn)
+        rows.append(compare(f"{prefix}param {fqn}", result.params.get(fqn), param, truth.params[fqn], tolerance,
+                            stages, kind="params"))
+        for stage, replica in sorted(result.replica_params.get(fqn, {}).items()):
+            rows.append(compare(f"{prefix}param {fqn} (replica in stage {stage})", replica, param,
+                                truth.params[fqn], tolerance, (stage,), kind="params"))
+    for fqn, buffer in eager.buffers.items():
+        if fqn in result.buffers:
+            rows.append(compare(f"{prefix}buffer {fqn}", result.buffers[fqn], buffer, truth.buffers[fqn], tolerance,
+                                pipe.buffer_stages(fqn), kind="buffers"))
+    return rows
+
+
+def _scaling(test: torch.Tensor, truth: torch.Tensor, job: Job) -> str | None:
+    """A gradient off by a factor that accumulation or the micro-batch count explains."""
+    g, n = job.training.accumulation_steps, job.n_microbatches
+    for factor, why in ((1 / g, f"divided by accumulation_steps={g} once too often"),
+                        (float(g), f"not divided by accumulation_steps={g}"),
+                        (1 / (g * n), "divided by the micro-batch count once too often"),
+                        (float(g * n), "summed over micro-batches where the convention averages")):
+        if factor != 1.0 and matches(test, truth * factor):
+            return (f"gradient scaling: the gradient is {factor:g} x the truth, as if each schedule step's loss were "
+                    f"{why} (loss_reduction={job.training.loss_reduction!r})")
+    return None
+
+
+def _hint_step(t: int, rows: list[Row], results: list[StepResult], truth: list[StepResult], job: Job,
+               hints: dict[str, str]) -> None:
+    """Hints on the first failing step's rows (computed only on failure, never changing a verdict)."""
+    grads_fail = [row for row in rows if row.kind == "grads" and not row.ok and "(replica" not in row.name]
+    params_fail = [row for row in rows if row.kind == "params" and not row.ok]
+    for row in grads_fail:
+        fqn = row.name.split("grad ", 1)[1]
+        test = results[t].grads.get(fqn)
+        if not isinstance(test, torch.Tensor):
+            continue
+        if t > 0 and all(fqn in step.grads for step in truth[:t + 1]) and matches(
+                test, sum((step.grads[fqn] for step in truth[:t + 1]), torch.zeros_like(truth[t].grads[fqn]))):
+            hints[row.name] = (f"gradient holds steps 0..{t}'s gradients summed: gradients are not zeroed between "
+                               "optimizer steps (zero them after each optimizer step, or on the first schedule "
+                               "step of the next)")
+            continue
+        hint = _scaling(test, truth[t].grads[fqn], job) or diagnose_grad(test, truth[t].grads[fqn], job.n_microbatches)
+        if hint:
+            hints[row.name] = hint
+    if params_fail and not grads_fail:
+        replicas = [row for row in params_fail if "(replica in stage" in row.name]
+        first = params_fail[0]
+        if replicas and len(replicas) == len(params_fail):
+            hints[first.name] = ("only replicas of tied parameters differ after the optimizer step, with gradients "
+                                 "that match: the optimizer does not update every replica alike (every stage holding "
+                                 "a tied parameter must step it)")
+        else:
+            hints[first.name] = ("gradients before the optimizer match and parameters after it do not: the "
+                                 "optimizer step differs (clipping's norm over the stages, a learning rate, a "
+                                 "parameter left out of the optimizer)")

@@ -1,0 +1,78 @@
+"""The optimizer step of the stages one process holds: gradients in, clipping, the update.
+
+    optimizer = StageOptimizer(stages, lambda params: torch.optim.SGD(params, lr=0.1))
+    optimizer.step(grads_by_stage, clip_grad_norm=1.0, norm_sum=all_reduce_sum, counts=first_holder)
+    optimizer.params_after()          # stage -> fqn -> value, detached copies
+
+Every replica of a tied parameter is its own tensor on its own stage (several stages of one process
+may share one object: it is updated once). Each gets the full gradient and the same update, so the
+replicas stay equal. Clipping scales every gradient by ``max_norm / (norm + 1e-6)`` (at most 1) as
+``torch.nn.utils.clip_grad_norm_`` does, where ``norm`` is the 2-norm over the model's parameters,
+each counted once: a tied parameter's replicas on several stages are one parameter, counted by the
+one stage ``counts`` names; ``norm_sum`` adds the squared norms of all processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from pipecheck._core.training import OptimizerFactory
+from pipecheck._runtime.stage_step import trainable_params
+from pipecheck._split.pipe import Stage
+from pipecheck.errors import InputError
+
+
+class StageOptimizer:
+    """One process's optimizer over the trainable parameters of ``stages`` (each object once)."""
+
+    def __init__(self, stages: Sequence[Stage], factory: OptimizerFactory | None) -> None:
+        self.held: dict[int, list[tuple[str, torch.nn.Parameter]]] = {s.index: trainable_params(s) for s in stages}
+        unique: dict[int, torch.nn.Parameter] = {}
+        for params in self.held.values():
+            unique.update((id(p), p) for _, p in params)
+        self.parameters = list(unique.values())
+        self.optimizer = build_optimizer(factory, self.parameters) if factory is not None else None
+
+    def step(self, grads: Mapping[int, Mapping[str, torch.Tensor]], clip_grad_norm: float | None = None,
+             norm_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+             counts: Callable[[int, str], bool] = lambda stage, fqn: True) -> None:
+        """Give every held parameter its stage's gradient, clip, and step the optimizer (nothing without one)."""
+        if self.optimizer is None:
+            return
+        squares: list[torch.Tensor] = []
+        for stage, params in self.held.items():
+            for fqn, param in params:
+                grad = grads.get(stage, {}).get(fqn)
+                param.grad = None if grad is None else grad.detach().clone()
+                if grad is not None and counts(stage, fqn):
+                    squares.append(torch.linalg.vector_norm(grad.detach()) ** 2)
+        if clip_grad_norm is not None:
+            device = self.parameters[0].device if self.parameters else torch.device("cpu")
+            local = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+            total = norm_sum(local).sqrt()
+            scale = (clip_grad_norm / (total + 1e-6)).clamp(max=1.0)
+            for param in self.parameters:
+                if param.grad is not None:
+                    param.grad.mul_(scale.to(param.grad.device, param.grad.dtype))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def params_after(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every held parameter's value now, by stage and FQN (detached copies)."""
+        return {stage: {fqn: p.detach().clone() for fqn, p in params} for stage, params in self.held.items()}
+
+
+def build_optimizer(factory: OptimizerFactory, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """``factory(parameters)``, or an InputError that says what a factory must be."""
+    try:
+        optimizer = factory(parameters)
+    except Exception as err:
+        raise InputError(f"optimizer={factory!r} failed on a list of parameters ({type(err).__name__}: {err}). "
+                         "Fix: pass a factory of the parameters, e.g. optimizer=lambda params: "
+                         "torch.optim.SGD(params, lr=0.1).") from err
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InputError(f"optimizer={factory!r} returned {type(optimizer).__name__}, not a torch.optim.Optimizer. "
+                         "Fix: optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3).")
+    return optimizer

@@ -1,0 +1,155 @@
+"""Models, losses and engines for the training checks: correct trainers and their planted bugs.
+
+Top-level so that they pickle to a World's ranks. ``Trainer(bug)`` is an engine of a user's kind,
+written on public names only (``pc.DetachExecutor``, ``job.split()``, ``pc.losses.Reduction``): with
+``bug=None`` it trains correctly; each bug is one that engines shipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pipecheck as pc
+from pipecheck.losses import Reduction
+
+VOCAB = 11
+
+
+class TiedLM(nn.Module):
+    """Embedding tied to the output projection, cut in two: the tied weight lives on both stages."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.l1 = nn.Linear(d, d)
+        self.l2 = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l1(self.emb(x)))
+        pc.pipe_split()
+        return torch.tanh(self.l2(h)) @ self.emb.weight.T
+
+
+def make_tied_lm() -> TiedLM:
+    torch.manual_seed(0)
+    return TiedLM()
+
+
+def token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Every token's loss (reduction='none'); ignore_index -100 gives 0 there."""
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none")
+
+
+def mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+
+
+def sgd(params):  # type: ignore[no-untyped-def]
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def adamw(params):  # type: ignore[no-untyped-def]
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def momentum(params):  # type: ignore[no-untyped-def]
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def tokens(batch: int = 8, seq: int = 5, seed: int = 0, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels, the first ``pad`` labels of each of the first half of rows ignored (-100)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    y = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    y[: batch // 2, :pad] = -100
+    return x, y
+
+
+BUGS = ("grads_not_zeroed", "replica_not_stepped", "mean_of_means", "rescaled_each_step", "clip_counts_replicas")
+
+
+class Trainer:
+    """A user's engine: the job's split run stage by stage, each stage's copy of a tied weight its own
+    parameter (as on separate ranks), gradients summed across them, one optimizer over every copy."""
+
+    def __init__(self, bug: str | None = None) -> None:
+        assert bug is None or bug in BUGS
+        self.bug = bug
+        self.__name__ = f"trainer[{bug or 'correct'}]"
+
+    def __call__(self, job: pc.Job) -> pc.StepResult:
+        raise NotImplementedError("one-call use is not what these tests exercise")
+
+    def train(self, job: pc.Job) -> list[pc.StepResult]:
+        pipe = job.split()
+        copies = self._own_copies(pipe)  # fqn -> stage -> parameter
+        stepped = [p for fqn, by_stage in copies.items() for s, p in by_stage.items()
+                   if not (self.bug == "replica_not_stepped" and s > min(by_stage))]
+        optimizer = job.training.optimizer(stepped) if job.training.optimizer else None
+        carried: dict[str, torch.Tensor] = {}
+        results = []
+        for batches in job.optimizer_steps():
+            grads = dict(carried) if self.bug == "grads_not_zeroed" else {}
+            outputs, losses = [], []
+            for batch in batches:
+                loss_fn, reduction = self._loss(job, batches)
+                step = pc.DetachExecutor(pipe).step(batch.args, batch.kwargs, loss_fn=loss_fn, target=batch.target,
+                                                    n_microbatches=job.n_microbatches, reduction=reduction)
+                for fqn, grad in step.grads.items():
+                    if self.bug == "rescaled_each_step":
+                        grad = grad / len(batches)
+                    grads[fqn] = grads[fqn] + grad if fqn in grads else grad
+                outputs.append(step.outputs)
+                losses.append(step.loss)
+            carried = grads
+            if optimizer is not None:
+                self._step(optimizer, copies, grads, job.training.clip_grad_norm)
+            results.append(pc.StepResult(
+                outputs[0] if len(outputs) == 1 else tuple(outputs), torch.stack(losses).sum(),
+                {f: g.clone() for f, g in grads.items()},
+                params={fqn: by_stage[min(by_stage)].detach().clone() for fqn, by_stage in copies.items()},
+                replica_params={fqn: {s: p.detach().clone() for s, p in by_stage.items()}
+                                for fqn, by_stage in copies.items() if len(by_stage) > 1}))
+        return results
+
+    def _loss(self, job: pc.Job, batches: list[pc.Batch]):  # type: ignore[no-untyped-def]
+        training = job.training
+        if self.bug == "mean_of_means" and training.loss_reduction == "token_mean":
+            # each micro-batch normalised by its own valid tokens, then the mean of those means
+            def per_microbatch(out, target):  # type: ignore[no-untyped-def]
+                return job.loss_fn(out, target).sum() / (target != training.ignore_index).sum()
+            return per_microbatch, Reduction(1.0 / (job.n_microbatches * len(batches)), uneven=True)
+        return job.loss_fn, Reduction.of(training.loss_reduction, [b.target for b in batches], job.n_microbatches,
+                                         training.ignore_index)
+
+    def _own_copies(self, pipe: pc.Pipe) -> dict[str, dict[int, nn.Parameter]]:
+        copies: dict[str, dict[int, nn.Parameter]] = {}
+        for stage in pipe.stages:
+            for local, fqn in stage.local_to_fqn.items():
+                owner, _, name = local.rpartition(".")
+                module = stage.module.get_submodule(owner)
+                param = module._parameters[name]
+                if fqn in copies:  # another stage's copy: a parameter of this stage's own
+                    param = nn.Parameter(param.detach().clone())
+                    module._parameters[name] = param
+                copies.setdefault(fqn, {})[stage.index] = param
+        return copies
+
+    def _step(self, optimizer: torch.optim.Optimizer, copies: dict[str, dict[int, nn.Parameter]],
+              grads: dict[str, torch.Tensor], clip: float | None) -> None:
+        for fqn, by_stage in copies.items():
+            for param in by_stage.values():
+                param.grad = grads[fqn].clone() if fqn in grads else None
+        if clip is not None:
+            counted = [by_stage[min(by_stage)] for by_stage in copies.values()] if self.bug != "clip_counts_replicas" \
+                else [p for by_stage in copies.values() for p in by_stage.values()]
+            norm = torch.stack([p.grad.norm() for p in counted if p.grad is not None]).norm()
+            scale = (clip / (norm + 1e-6)).clamp(max=1.0)
+            for by_stage in copies.values():
+                for param in by_stage.values():
+                    if param.grad is not None:
+                        param.grad.mul_(scale)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)

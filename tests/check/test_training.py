@@ -1,0 +1,147 @@
+"""Training checks: several optimizer steps, accumulation, loss conventions, against planted bugs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from _training_models import (
+    BUGS,
+    Trainer,
+    adamw,
+    make_tied_lm,
+    mean_ce,
+    momentum,
+    sgd,
+    token_ce,
+    tokens,
+)
+
+import pipecheck as pc
+
+LOOP = dict(n_microbatches=4, steps=3, accumulation_steps=2, optimizer=adamw, clip_grad_norm=0.5)
+
+
+def _check(runner, **settings):  # type: ignore[no-untyped-def]
+    x, y = tokens(pad=3)
+    options = {**LOOP, "loss_fn": token_ce, "target": y, "loss_reduction": "token_mean", **settings}
+    return pc.assert_equivalent(make_tied_lm, (x,), runner=runner, **options)
+
+
+@pytest.mark.parametrize("runner", ["reference", Trainer()], ids=["reference", "users-engine"])
+@pytest.mark.parametrize("reduction, loss_fn", [("token_mean", token_ce), ("mean", mean_ce), ("sum", mean_ce)])
+def test_correct_engines_pass_every_step(runner, reduction, loss_fn) -> None:  # type: ignore[no-untyped-def]
+    report = _check(runner, loss_reduction=reduction, loss_fn=loss_fn)
+    assert report.ok
+    names = [row.name for row in report.rows]
+    assert "step 2: param emb.weight (replica in stage 1)" in names
+    assert "step 2: grad l2.weight" in names and "step 0: output (schedule step 1 of 2)" in names
+    assert "3 steps of adamw, gradients clipped to norm 0.5, 2 accumulation steps each" in report.headline()
+
+
+@pytest.mark.parametrize("optimizer", [sgd, momentum, adamw])
+def test_the_distributed_runtime_trains_like_eager(optimizer, pipecheck_world) -> None:  # type: ignore[no-untyped-def]
+    report = _check("distributed", optimizer=optimizer, world=pipecheck_world(2))
+    assert report.ok
+    assert report.row("step 2: param emb.weight (replica in stage 1)").ok
+
+
+def test_the_distributed_runtime_takes_batches_of_other_shapes(pipecheck_world) -> None:  # type: ignore[no-untyped-def]
+    batches = [pc.Batch((x,), target=y) for x, y in (tokens(8, 5, 1, 2), tokens(12, 7, 2, 3), tokens(4, 3, 3, 1),
+                                                     tokens(8, 6, 4, 0))]
+    report = pc.assert_equivalent(make_tied_lm, batches[0].args, loss_fn=token_ce, n_microbatches=4, runner="distributed",
+                                  world=pipecheck_world(2), batches=batches, steps=2, accumulation_steps=2, optimizer=sgd,
+                                  loss_reduction="token_mean")
+    assert report.ok
+    assert report.row("step 1: output (schedule step 0 of 2)").shape == (4, 3, 11)
+
+
+@pytest.mark.parametrize("bug, first, hint", [
+    ("grads_not_zeroed", "step 1: grad", "not zeroed between optimizer steps"),
+    ("replica_not_stepped", "step 0: param emb.weight (replica in stage 1)", "does not update every replica"),
+    ("mean_of_means", "step 0: loss", None),
+    ("rescaled_each_step", "step 0: grad", "gradient scaling"),
+    ("clip_counts_replicas", "step 0: param", "optimizer step differs"),
+    ("clip_counts_replicas-adamw", "step 1: param", "optimizer step differs"),  # Adam's first step ignores scale
+])
+def test_planted_training_bugs_are_caught_at_the_right_value(bug, first, hint) -> None:  # type: ignore[no-untyped-def]
+    bug, _, optimizer = bug.partition("-")
+    with pytest.raises(pc.EquivalenceError) as caught:
+        _check(Trainer(bug), optimizer=adamw if optimizer else sgd)
+    report = caught.value.report
+    assert report.located.startswith("first divergence: optimizer step " + first.split(":")[0].split()[1])
+    failing = [row.name for row in report.failures]
+    assert any(name.startswith(first) for name in failing), failing
+    if hint is not None:
+        assert any(hint in text for text in report.hints.values()), report.hints
+    assert set(BUGS) >= {bug}
+
+
+def test_a_mean_of_means_engine_passes_the_mean_convention_it_implements() -> None:
+    """The same engine is right under "mean" (it is what it computes) and wrong under "token_mean"."""
+    x, y = tokens(pad=3)
+    report = pc.assert_equivalent(make_tied_lm, (x,), runner=Trainer("mean_of_means"), loss_fn=mean_ce, target=y,
+                                  **{**LOOP, "loss_reduction": "mean"})
+    assert report.ok
+
+
+def test_one_step_runs_of_grads_not_zeroed_pass_and_two_fail() -> None:
+    """The bug a one-step check cannot see: it needs a second step."""
+    assert _check(Trainer("grads_not_zeroed"), steps=1).ok
+    with pytest.raises(pc.EquivalenceError, match="not zeroed"):
+        _check(Trainer("grads_not_zeroed"), steps=2, optimizer=None, clip_grad_norm=None)
+
+
+def test_uneven_microbatches_are_checked_where_the_convention_weighs_tokens() -> None:
+    x, y = tokens(batch=10, pad=2)
+    report = pc.assert_equivalent(make_tied_lm, (x,), loss_fn=token_ce, target=y, n_microbatches=4,
+                                  loss_reduction="token_mean", runner="reference")
+    assert report.ok
+    with pytest.raises(pc.InputError, match="not divisible by n_microbatches=4"):
+        pc.assert_equivalent(make_tied_lm, (x,), loss_fn=mean_ce, target=y, n_microbatches=4, steps=2,
+                             runner="reference")
+
+
+def test_the_users_model_and_inputs_are_left_as_they_were() -> None:
+    model = make_tied_lm()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = tokens(pad=3)
+    x0, y0 = x.clone(), y.clone()
+    pc.assert_equivalent(model, (x,), loss_fn=token_ce, target=y, runner="reference", loss_reduction="token_mean",
+                         **LOOP)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(x, x0) and torch.equal(y, y0)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _one_call(job):  # type: ignore[no-untyped-def]
+    raise AssertionError("never called: refused before any work")
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"steps": 0}, "steps=0 must be a positive int"),
+    ({"accumulation_steps": 1.5}, "accumulation_steps=1.5 must be a positive int"),
+    ({"optimizer": torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1)}, "an optimizer already built"),
+    ({"optimizer": "adam"}, "is not a factory"),
+    ({"clip_grad_norm": 1.0}, "clip_grad_norm was given without optimizer"),
+    ({"optimizer": sgd, "clip_grad_norm": -1}, "must be a positive number"),
+    ({"loss_reduction": "avg"}, "loss_reduction='avg' is not known"),
+    ({"loss_reduction": "token_mean", "loss_fn": None, "target": None}, "needs loss_fn returning every token's loss"),
+    ({"batches": [1, 2]}, "must be a non-empty list of pc.Batch (item 0 is int)"),
+    ({"batches": [pc.Batch((torch.zeros(4, 5, dtype=torch.long),))], "steps": 2}, "batches has 1 batches"),
+    ({"steps": 2, "runner": _one_call}, "runs one step per call"),
+], ids=["steps", "accumulation", "built-optimizer", "optimizer-str", "clip-alone", "clip-negative", "reduction",
+        "token-mean-no-loss", "batches-type", "batches-count", "one-call-runner"])
+def test_bad_training_arguments_are_refused_with_the_fix(settings, message) -> None:  # type: ignore[no-untyped-def]
+    x, y = tokens()
+    options = {"loss_fn": mean_ce, "target": y, "runner": "reference", **settings}
+    with pytest.raises(pc.InputError, match=re.escape(message)) as caught:
+        pc.assert_equivalent(make_tied_lm, (x,), **options)
+    assert "Fix:" in str(caught.value)
+
+
+def test_token_mean_needs_per_token_losses() -> None:
+    with pytest.raises(pc.LossError, match="must return every token's loss"):
+        _check("reference", loss_fn=mean_ce)
