@@ -29,7 +29,7 @@ from pipecheck._core.training import Batch, Training
 from pipecheck._runtime.optimizer import build_optimizer
 from pipecheck._split.inputs import Inputs, cast_inputs, cast_module, prepare_inputs
 from pipecheck._split.microbatch import merge_microbatches, split_microbatches
-from pipecheck.losses import LossFn, MicrobatchLoss, Reduction, projection_target
+from pipecheck.losses import LossFn, MicrobatchLoss, Reduction, projection_loss, projection_target
 
 
 def prepared_batches(model: nn.Module, batches: Sequence[Batch], dtype: torch.dtype | None,
@@ -63,7 +63,7 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
                                  training.ignore_index)
         for i in group:
             mb_outputs = forwards.pop(i)
-            loss_of = MicrobatchLoss(loss_fn, used[i], n_microbatches, reduction)
+            loss_of = MicrobatchLoss(loss_fn or projection_loss, used[i], n_microbatches, reduction)
             total = torch.stack([loss_of(mb, out) for mb, out in enumerate(mb_outputs)]).sum() * reduction.weight
             if params and total.requires_grad:
                 for k, grad in enumerate(_gradients(model, total, [p for _, p in params])):

@@ -33,13 +33,15 @@ class StageOptimizer:
         for params in self.held.values():
             unique.update((id(p), p) for _, p in params)
         self.parameters = list(unique.values())
-        self.optimizer = build_optimizer(factory, self.parameters) if factory is not None else None
+        self.steps = factory is not None  # a process whose stages train nothing still takes part in clipping
+        self.optimizer = build_optimizer(factory, self.parameters) if factory is not None and self.parameters \
+            else None
 
     def step(self, grads: Mapping[int, Mapping[str, torch.Tensor]], clip_grad_norm: float | None = None,
              norm_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
              counts: Callable[[int, str], bool] = lambda stage, fqn: True) -> None:
         """Give every held parameter its stage's gradient, clip, and step the optimizer (nothing without one)."""
-        if self.optimizer is None:
+        if not self.steps:
             return
         squares: list[torch.Tensor] = []
         for stage, params in self.held.items():
@@ -56,8 +58,9 @@ class StageOptimizer:
             for param in self.parameters:
                 if param.grad is not None:
                     param.grad.mul_(scale.to(param.grad.device, param.grad.dtype))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
     def params_after(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every held parameter's value now, by stage and FQN (detached copies)."""

@@ -32,14 +32,17 @@ from pipecheck.strategies._internal.description import (
 )
 from pipecheck.strategies._internal.inputs import inputs
 from pipecheck.strategies._internal.models import models
+from pipecheck.strategies._internal.training import LOSS_REDUCTIONS, OPTIMIZERS
 
 __all__ = [
     "CROSSINGS",
     "CUT_KINDS",
     "FEATURES",
     "InputSpec",
+    "LOSS_REDUCTIONS",
     "LayerSpec",
     "ModelSpec",
+    "OPTIMIZERS",
     "OutputSpec",
     "PipelineCase",
     "build",

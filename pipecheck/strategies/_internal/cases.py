@@ -41,6 +41,7 @@ from pipecheck.strategies._internal.cuts import (
 )
 from pipecheck.strategies._internal.description import ModelSpec, features
 from pipecheck.strategies._internal.models import models as _models
+from pipecheck.strategies._internal.training import LOSS_REDUCTIONS, OPTIMIZERS
 
 RUNNER_NAMES = BUILTIN
 SCHEDULES = SCHEDULE_NAMES
@@ -71,6 +72,12 @@ class PipelineCase:
     world_size: int = None  # type: ignore[assignment]  # None: num_stages // stages_per_rank
     dtype: torch.dtype = torch.float32
     runner: Any = "reference"
+    # A training check (pipeline_cases(training=True)): optimizer steps, accumulation, an optimizer of
+    # OPTIMIZERS by name (None: none) and the loss convention.
+    steps: int = 1
+    accumulation_steps: int = 1
+    optimizer: str | None = None
+    loss_reduction: str = "mean"
 
     def __post_init__(self) -> None:
         if self.world_size is None:
@@ -84,11 +91,21 @@ class PipelineCase:
                 and self.spec.batch % self.n_microbatches == 0):
             problems.append(f"n_microbatches={self.n_microbatches!r} must divide the batch "
                             f"of {self.spec.batch}")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            problems.append(f"optimizer={self.optimizer!r} is not one of {list(OPTIMIZERS)}")
         _raise_if_any("PipelineCase", problems)
 
     def __hash__(self) -> int:  # the generated one would hash split_spec, a dict
         return hash((self.spec, tuple(self.split_spec.items()), self.n_microbatches,
-                     self.schedule, self.stages_per_rank, self.world_size, self.dtype))
+                     self.schedule, self.stages_per_rank, self.world_size, self.dtype, self.training_arguments()))
+
+    def training_arguments(self) -> tuple[tuple[str, Any], ...]:
+        """The training options of ``pc.assert_equivalent`` this case sets (none for a one-step case)."""
+        found = {"steps": self.steps, "accumulation_steps": self.accumulation_steps,
+                 "optimizer": OPTIMIZERS[self.optimizer] if self.optimizer else None,
+                 "loss_reduction": self.loss_reduction}
+        defaults = {"steps": 1, "accumulation_steps": 1, "optimizer": None, "loss_reduction": "mean"}
+        return tuple((name, value) for name, value in found.items() if value != defaults[name])
 
     @property
     def num_stages(self) -> int:
@@ -108,7 +125,7 @@ class PipelineCase:
             "split_spec": dict(self.split_spec), "n_microbatches": self.n_microbatches,
             "schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
             "world_size": self.world_size, "dtype": self.dtype,
-            "runner": self.runner if runner is None else runner, **extra,
+            "runner": self.runner if runner is None else runner, **dict(self.training_arguments()), **extra,
         }
 
     def run(self, runner: Any = None, **extra: Any) -> Report:
@@ -158,7 +175,8 @@ class PipelineCase:
         return (f"PipelineCase(spec={self.spec!r}, split_spec={{{cuts}}}, "
                 f"n_microbatches={self.n_microbatches}, schedule={self.schedule!r}, "
                 f"stages_per_rank={self.stages_per_rank}, world_size={self.world_size}, "
-                f"dtype={self.dtype}, runner={self.runner!r})")
+                f"dtype={self.dtype}, runner={self.runner!r}"
+                + "".join(f", {name}={getattr(self, name)!r}" for name, _ in self.training_arguments()) + ")")
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))  # hypothesis' falsifying examples: one reproducing line
@@ -188,6 +206,7 @@ def pipeline_cases(
     max_world_size: int = 4,
     max_stages_per_rank: int = 2,
     max_microbatches: int | None = None,
+    training: bool = False,
 ) -> st.SearchStrategy[PipelineCase]:
     """Random :class:`PipelineCase` values: a model, its cut points and how to run it.
 
@@ -200,7 +219,10 @@ def pipeline_cases(
     'zb' run one stage per rank, 'zbv' two (an even number of stages; left out
     when ``max_stages_per_rank`` is 1), interleaved with several stages per
     rank gets a multiple of ``world_size`` micro-batches; ``n_microbatches``
-    divides the batch (and is at most ``max_microbatches``).
+    divides the batch (and is at most ``max_microbatches``). ``training=True`` also draws a
+    training loop: 1 to 3 optimizer steps of one of ``OPTIMIZERS`` (or none), 1 or 2 accumulation
+    steps, a loss convention of ``LOSS_REDUCTIONS`` (give runners that train: "reference",
+    "distributed", or a runner with a ``train`` method).
 
     Shrinks towards fewer layers (and the model's own shrinking), fewer
     stages and earlier cuts, the first runner given, fp32 (when allowed), the
@@ -212,12 +234,14 @@ def pipeline_cases(
     dtypes = tuple(dtypes) if isinstance(dtypes, Iterator) else dtypes
     schedules = tuple(schedules) if isinstance(schedules, Iterator) else schedules
     # checked here so that a mistake raises at the call, not at the first draw
+    if not isinstance(training, bool):
+        _raise_if_any("pipeline_cases", [f"training={training!r} must be True or False"])
     _checked(models, runners, dtypes, schedules, min_stages, max_stages, max_world_size,
              max_stages_per_rank, max_microbatches)
     return _pipeline_cases(
         models=models, runners=runners, dtypes=dtypes, schedules=schedules, min_stages=min_stages,
         max_stages=max_stages, max_world_size=max_world_size,
-        max_stages_per_rank=max_stages_per_rank, max_microbatches=max_microbatches)
+        max_stages_per_rank=max_stages_per_rank, max_microbatches=max_microbatches, training=training)
 
 
 def _draw_pipeline_cases(
@@ -232,6 +256,7 @@ def _draw_pipeline_cases(
     max_world_size: int = 4,
     max_stages_per_rank: int = 2,
     max_microbatches: int | None = None,
+    training: bool = False,
 ) -> PipelineCase:
     config = _checked(models, runners, dtypes, schedules, min_stages, max_stages, max_world_size,
                       max_stages_per_rank, max_microbatches)
@@ -266,8 +291,12 @@ def _draw_pipeline_cases(
     if not counts:
         reject()  # no micro-batch count divides the batch and fits the schedule
     n_microbatches = _pick(draw, tuple(counts))
+    loop: dict[str, Any] = {}
+    if training is True:
+        loop = {"steps": draw(st.integers(1, 3)), "accumulation_steps": draw(st.integers(1, 2)),
+                "optimizer": _pick(draw, (None, *OPTIMIZERS)), "loss_reduction": _pick(draw, LOSS_REDUCTIONS)}
     return PipelineCase(spec, split_spec, n_microbatches, schedule, stages_per_rank, world_size,
-                        dtype, runner)
+                        dtype, runner, **loop)
 
 
 _draw_pipeline_cases.__name__ = _draw_pipeline_cases.__qualname__ = "pipeline_cases"  # repr

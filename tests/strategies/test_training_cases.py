@@ -1,0 +1,52 @@
+"""pipeline_cases(training=True): generated training loops, run on the runners that train."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, find, given, settings
+
+import pipecheck as pc
+from pipecheck import strategies as pst
+
+FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXACT = settings(database=None, derandomize=True, deadline=None)
+
+
+@FEW
+@given(pst.pipeline_cases(training=True, max_stages=3, max_world_size=3, schedules=("gpipe", "1f1b")))
+def test_generated_training_loops_match_eager_on_the_reference(case: pst.PipelineCase) -> None:
+    report = case.check("reference")
+    if case.steps > 1:
+        assert any(row.name.startswith(f"step {case.steps - 1}: ") for row in report.rows)
+    if case.optimizer:
+        assert any(row.kind == "params" for row in report.rows)
+
+
+@settings(FEW, max_examples=4)
+@given(case=pst.pipeline_cases(training=True, max_stages=2, max_world_size=2, schedules=("1f1b",)))
+def test_generated_training_loops_match_eager_on_the_runtime(case: pst.PipelineCase, pipecheck_world) -> None:
+    case.check("distributed", world=pipecheck_world(case.world_size))
+
+
+def test_a_training_case_shrinks_to_one_step_without_an_optimizer() -> None:
+    simplest = find(pst.pipeline_cases(training=True), lambda _: True, settings=EXACT)
+    assert (simplest.steps, simplest.accumulation_steps, simplest.optimizer, simplest.loss_reduction) == \
+        (1, 1, None, "mean")
+    assert "steps=" not in repr(simplest)
+
+
+def test_a_training_case_says_its_loop_in_its_repr_and_repro() -> None:
+    case = find(pst.pipeline_cases(training=True), lambda c: c.steps > 1 and c.optimizer is not None,
+                settings=EXACT)
+    assert f"steps={case.steps}" in repr(case) and f"optimizer={case.optimizer!r}" in repr(case)
+    source = case.repro("reference")
+    assert f"steps={case.steps}," in source and f"optimizer={case.optimizer}," in source
+    namespace: dict[str, object] = {}
+    exec(compile(source, "<repro>", "exec"), namespace)  # the repro's call is the case's own
+    namespace["test_pipeline_case"]()  # type: ignore[operator]
+
+
+def test_the_optimizers_are_factories_of_torch_optimizers() -> None:
+    params = [torch.nn.Parameter(torch.ones(2))]
+    assert all(isinstance(factory(params), torch.optim.Optimizer) for factory in pst.OPTIMIZERS.values())
+    assert set(pst.LOSS_REDUCTIONS) <= set(pc.losses.LOSS_REDUCTIONS)
