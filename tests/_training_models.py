@@ -67,7 +67,8 @@ def tokens(batch: int = 8, seq: int = 5, seed: int = 0, pad: int = 0) -> tuple[t
     return x, y
 
 
-BUGS = ("grads_not_zeroed", "replica_not_stepped", "mean_of_means", "rescaled_each_step", "clip_counts_replicas")
+BUGS = ("grads_not_zeroed", "replica_not_stepped", "mean_of_means", "rescaled_each_step", "clip_counts_replicas",
+        "dp_replica_not_reduced", "dp_not_averaged")
 
 
 class Trainer:
@@ -83,35 +84,49 @@ class Trainer:
         raise NotImplementedError("one-call use is not what these tests exercise")
 
     def train(self, job: pc.Job) -> list[pc.StepResult]:
-        pipe = job.split()
-        copies = self._own_copies(pipe)  # fqn -> stage -> parameter
-        stepped = [p for fqn, by_stage in copies.items() for s, p in by_stage.items()
-                   if not (self.bug == "replica_not_stepped" and s > min(by_stage))]
-        optimizer = job.training.optimizer(stepped) if job.training.optimizer else None
-        carried: dict[str, torch.Tensor] = {}
+        d = job.training.data_parallel
+        replicas = [self._own_copies(job.split()) for _ in range(d)]  # (pipe, fqn -> stage -> parameter) each
+        optimizers = [job.training.optimizer([p for fqn, by_stage in copies.items() for s, p in by_stage.items()
+                                              if not (self.bug == "replica_not_stepped" and s > min(by_stage))])
+                      if job.training.optimizer else None for _, copies in replicas]
+        carried: list[dict[str, torch.Tensor]] = [{} for _ in range(d)]
         results = []
         for batches in job.optimizer_steps():
-            grads = dict(carried) if self.bug == "grads_not_zeroed" else {}
+            grads = [dict(c) if self.bug == "grads_not_zeroed" else {} for c in carried]
             outputs, losses = [], []
+            loss_fn, reduction = self._loss(job, batches)
             for batch in batches:
-                loss_fn, reduction = self._loss(job, batches)
-                step = pc.DetachExecutor(pipe).step(batch.args, batch.kwargs, loss_fn=loss_fn, target=batch.target,
-                                                    n_microbatches=job.n_microbatches, reduction=reduction)
-                for fqn, grad in step.grads.items():
-                    if self.bug == "rescaled_each_step":
-                        grad = grad / len(batches)
-                    grads[fqn] = grads[fqn] + grad if fqn in grads else grad
-                outputs.append(step.outputs)
-                losses.append(step.loss)
+                shards = _shards((batch.args, dict(batch.kwargs), batch.target), d)
+                replica_outputs = []
+                for r, ((pipe, _), (args, kwargs, target)) in enumerate(zip(replicas, shards)):
+                    step = pc.DetachExecutor(pipe).step(args, kwargs, loss_fn=loss_fn, target=target,
+                                                        n_microbatches=job.n_microbatches, reduction=reduction)
+                    for fqn, grad in step.grads.items():
+                        if self.bug == "rescaled_each_step":
+                            grad = grad / len(batches)
+                        grads[r][fqn] = grads[r][fqn] + grad if fqn in grads[r] else grad
+                    replica_outputs.append(step.outputs)
+                    losses.append(step.loss)
+                outputs.append(pc.merge_microbatches(replica_outputs))
             carried = grads
-            if optimizer is not None:
-                self._step(optimizer, copies, grads, job.training.clip_grad_norm)
-            results.append(pc.StepResult(
+            total = {fqn: sum((g[fqn] for g in grads[1:]), grads[0][fqn]) for fqn in grads[0]}  # the DP all-reduce
+            reduced = [total] + [grads[r] if self.bug == "dp_replica_not_reduced" else total for r in range(1, d)]
+            for (_, copies), optimizer, replica_grads in zip(replicas, optimizers, reduced):
+                if optimizer is not None:
+                    self._step(optimizer, copies, replica_grads, job.training.clip_grad_norm)
+            copies = replicas[0][1]
+            result = pc.StepResult(
                 outputs[0] if len(outputs) == 1 else tuple(outputs), torch.stack(losses).sum(),
-                {f: g.clone() for f, g in grads.items()},
+                {f: g.clone() for f, g in total.items()},
                 params={fqn: by_stage[min(by_stage)].detach().clone() for fqn, by_stage in copies.items()},
                 replica_params={fqn: {s: p.detach().clone() for s, p in by_stage.items()}
-                                for fqn, by_stage in copies.items() if len(by_stage) > 1}))
+                                for fqn, by_stage in copies.items() if len(by_stage) > 1})
+            for r in range(1, d):
+                for fqn, by_stage in replicas[r][1].items():
+                    for stage, param in by_stage.items():
+                        result.dp_grads.setdefault(fqn, {})[(r, stage)] = reduced[r][fqn].clone()
+                        result.dp_params.setdefault(fqn, {})[(r, stage)] = param.detach().clone()
+            results.append(result)
         return results
 
     def _loss(self, job: pc.Job, batches: list[pc.Batch]):  # type: ignore[no-untyped-def]
@@ -120,11 +135,13 @@ class Trainer:
             # each micro-batch normalised by its own valid tokens, then the mean of those means
             def per_microbatch(out, target):  # type: ignore[no-untyped-def]
                 return job.loss_fn(out, target).sum() / (target != training.ignore_index).sum()
-            return per_microbatch, Reduction(1.0 / (job.n_microbatches * len(batches)), uneven=True)
-        return job.loss_fn, Reduction.of(training.loss_reduction, [b.target for b in batches], job.n_microbatches,
-                                         training.ignore_index)
+            return per_microbatch, Reduction(1.0 / (job.n_microbatches * training.data_parallel * len(batches)),
+                                             uneven=True)
+        replicas = 1 if self.bug == "dp_not_averaged" else training.data_parallel  # DDP's sum, not its mean
+        return job.loss_fn, Reduction.of(training.loss_reduction, [b.target for b in batches],
+                                         job.n_microbatches * replicas, training.ignore_index)
 
-    def _own_copies(self, pipe: pc.Pipe) -> dict[str, dict[int, nn.Parameter]]:
+    def _own_copies(self, pipe: pc.Pipe) -> tuple[pc.Pipe, dict[str, dict[int, nn.Parameter]]]:
         copies: dict[str, dict[int, nn.Parameter]] = {}
         for stage in pipe.stages:
             for local, fqn in stage.local_to_fqn.items():
@@ -135,7 +152,7 @@ class Trainer:
                     param = nn.Parameter(param.detach().clone())
                     module._parameters[name] = param
                 copies.setdefault(fqn, {})[stage.index] = param
-        return copies
+        return pipe, copies
 
     def _step(self, optimizer: torch.optim.Optimizer, copies: dict[str, dict[int, nn.Parameter]],
               grads: dict[str, torch.Tensor], clip: float | None) -> None:
@@ -153,3 +170,10 @@ class Trainer:
                         param.grad.mul_(scale)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def _shards(batch: tuple, d: int) -> list[tuple]:  # type: ignore[type-arg]
+    """The batch cut on dim 0 into ``d`` data-parallel shards (every tensor leaf has the batch dimension)."""
+    if d == 1:
+        return [batch]
+    return pc.split_microbatches(batch, d)

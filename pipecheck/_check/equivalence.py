@@ -86,7 +86,7 @@ def assert_equivalent(
     stages_per_rank: int = 1, timeout: float | None = None, world: World | None = None,
     trace_path: str | None = None, steps: int = 1, optimizer: OptimizerFactory | None = None,
     clip_grad_norm: float | None = None, accumulation_steps: int = 1, loss_reduction: str = "mean",
-    ignore_index: int = -100, batches: Sequence[Batch] | None = None,
+    ignore_index: int = -100, batches: Sequence[Batch] | None = None, data_parallel: int = 1,
 ) -> Report:
     """Check that ``runner`` computes the eager model's outputs, loss and gradients.
 
@@ -100,7 +100,8 @@ def assert_equivalent(
     ``clip_grad_norm``), each over ``accumulation_steps`` schedule steps, on ``batches`` (one
     ``pc.Batch`` per schedule step; default: ``args`` every time); ``loss_reduction`` "mean" (of
     micro-batch losses), "token_mean" (per-token losses over the valid tokens of the whole optimizer
-    step, ``ignore_index`` skipped) or "sum". The runner needs a ``train`` method. Raises
+    step, ``ignore_index`` skipped) or "sum"; ``data_parallel`` pipeline replicas, each on its
+    shard of every batch. The runner needs a ``train`` method. Raises
     :class:`pipecheck.EquivalenceError` (an AssertionError) with a table naming
     every failing tensor, or returns the :class:`pipecheck.Report`.
     """
@@ -113,7 +114,7 @@ def assert_equivalent(
     training, given_batches = training_arguments(
         "assert_equivalent", steps=steps, accumulation_steps=accumulation_steps, optimizer=optimizer,
         clip_grad_norm=clip_grad_norm, loss_reduction=loss_reduction, ignore_index=ignore_index, batches=batches,
-        loss_fn=loss_fn)
+        loss_fn=loss_fn, data_parallel=data_parallel)
     n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout = map(
         plain, (n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout))
     runner_name, run = resolve_runner(runner)

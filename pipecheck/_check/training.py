@@ -68,7 +68,7 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
     with clock("eager_s"):
         batches = prepared_batches(built, job.schedule_batches(), dtype, device)
         uneven = job.training.loss_reduction != "mean"  # its micro-batches may differ in size: probe them whole
-        check_deterministic(built, inputs, 1 if uneven else job.n_microbatches, seed)
+        check_deterministic(built, inputs, 1 if uneven else job.n_microbatches * job.training.data_parallel, seed)
         eager, truth, targets = eager_runs(built, batches, job, seed)
     job = dataclasses.replace(job, loss_fn=job.loss_fn or projection_loss, target=targets[0],
                               batches=training_batches(batches, targets))
@@ -79,6 +79,8 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
     out_dtype = next((leaf.dtype for leaf in pytree.tree_leaves(eager[0].outputs)
                   if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()), torch.float32)
     notes = [note for result in results[:1] for note in result.notes]
+    if job.training.data_parallel > 1 and eager[0].buffers:
+        notes.append("buffers were not compared: each data-parallel replica updates its own from its shard")
     report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
                     str(out_dtype).replace("torch.", ""), job.n_microbatches, pipe.num_stages, {}, notes, pipe.tracer,
                     training=job.training.describe())
@@ -90,15 +92,16 @@ def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: in
                ) -> tuple[list[StepResult], list[StepResult], list[Any]]:
     """Eager trained in its dtype, the float64 truth trained the same way, and each batch's target."""
     model = copy.deepcopy(built)  # the split's stages share ``built``'s parameters: train copies only
+    n = job.n_microbatches * job.training.data_parallel  # eager runs every replica's micro-batches, in order
     with seeded(seed):
-        eager, targets = train_eager(model, batches, job.training, job.loss_fn, job.n_microbatches)
+        eager, targets = train_eager(model, batches, job.training, job.loss_fn, n)
     del model
     for step in eager:
         check_finite(step)
     batches64, targets64 = float64_batches(batches, targets)
     with seeded(seed):
         truth, _ = train_eager(float64_copy(built), batches64, job.training, job.loss_fn or projection_loss,
-                               job.n_microbatches, targets=targets64)
+                               n, targets=targets64)
     return eager, truth, targets
 
 
@@ -188,7 +191,17 @@ def _step_rows(pipe: Pipe, job: Job, prefix: str, result: StepResult, eager: Ste
         for stage, replica in sorted(result.replica_params.get(fqn, {}).items()):
             rows.append(compare(f"{prefix}param {fqn} (replica in stage {stage})", replica, param,
                                 truth.params[fqn], tolerance, (stage,), kind="params"))
-    for fqn, buffer in eager.buffers.items():
+    for fqn, copies in sorted(result.dp_grads.items()) if check_grads else ():
+        for (dp_rank, stage), copy_ in sorted(copies.items()):
+            if fqn in eager.grads:
+                rows.append(compare(f"{prefix}grad {fqn} (dp rank {dp_rank}, stage {stage})", copy_, eager.grads[fqn],
+                                    truth.grads[fqn], tolerance, (stage,), kind="grads"))
+    for fqn, copies in sorted(result.dp_params.items()):
+        for (dp_rank, stage), copy_ in sorted(copies.items()):
+            if fqn in eager.params:
+                rows.append(compare(f"{prefix}param {fqn} (dp rank {dp_rank}, stage {stage})", copy_,
+                                    eager.params[fqn], truth.params[fqn], tolerance, (stage,), kind="params"))
+    for fqn, buffer in eager.buffers.items() if job.training.data_parallel == 1 else ():
         if fqn in result.buffers:
             rows.append(compare(f"{prefix}buffer {fqn}", result.buffers[fqn], buffer, truth.buffers[fqn], tolerance,
                                 pipe.buffer_stages(fqn), kind="buffers"))
@@ -196,15 +209,20 @@ def _step_rows(pipe: Pipe, job: Job, prefix: str, result: StepResult, eager: Ste
 
 
 def _scaling(test: torch.Tensor, truth: torch.Tensor, job: Job) -> str | None:
-    """A gradient off by a factor that accumulation or the micro-batch count explains."""
-    g, n = job.training.accumulation_steps, job.n_microbatches
-    for factor, why in ((1 / g, f"divided by accumulation_steps={g} once too often"),
-                        (float(g), f"not divided by accumulation_steps={g}"),
-                        (1 / (g * n), "divided by the micro-batch count once too often"),
-                        (float(g * n), "summed over micro-batches where the convention averages")):
+    """A gradient off by a factor that accumulation, data parallelism or the micro-batch count explains
+    (every explanation of that factor, when several give it)."""
+    g, n, d = job.training.accumulation_steps, job.n_microbatches, job.training.data_parallel
+    candidates = ((1 / g, f"divided by accumulation_steps={g} once too often"),
+                  (float(g), f"not divided by accumulation_steps={g}"),
+                  (float(d), f"not divided by data_parallel={d} (the replicas' gradients summed, not averaged)"),
+                  (1 / d, f"divided by data_parallel={d} once too often"),
+                  (1 / (g * n * d), "divided by the micro-batch count once too often"),
+                  (float(g * n * d), "summed over micro-batches where the convention averages"))
+    for factor in dict.fromkeys(factor for factor, _ in candidates):
         if factor != 1.0 and matches(test, truth * factor):
+            whys = [why for other, why in candidates if other == factor]
             return (f"gradient scaling: the gradient is {factor:g} x the truth, as if each schedule step's loss were "
-                    f"{why} (loss_reduction={job.training.loss_reduction!r})")
+                    f"{', or '.join(whys)} (loss_reduction={job.training.loss_reduction!r})")
     return None
 
 

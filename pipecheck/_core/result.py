@@ -41,6 +41,10 @@ class StepResult:
     # and every replica of a tied parameter after it, fqn -> stage -> value.
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     replica_params: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    # With data-parallel replicas of the pipeline: every other replica's copy of every gradient (before
+    # the optimizer) and parameter (after it), fqn -> (data-parallel rank, stage) -> value.
+    dp_grads: dict[str, dict[tuple[int, int], torch.Tensor]] = field(default_factory=dict)
+    dp_params: dict[str, dict[tuple[int, int], torch.Tensor]] = field(default_factory=dict)
 
 
 BoundaryKey = tuple[int, int, str, str]  # (stage, micro-batch, point, value name)

@@ -5,7 +5,8 @@
     batches = (Batch((x0,), target=y0), Batch((x1,), target=y1), ...)   # steps * accumulation_steps of them
 
 One optimizer step runs ``accumulation_steps`` schedule steps, each on its own batch, and their
-gradients add up before the optimizer (clipping first, when asked) updates every parameter and every
+gradients add up (and, with ``data_parallel`` replicas of the pipeline each on its shard of every
+batch, are summed across the replicas) before the optimizer (clipping first, when asked) updates every parameter and every
 replica of a tied one. What an engine must report after each optimizer step is a
 :class:`pipecheck.StepResult` with ``grads`` (before clipping and the optimizer) and ``params`` (after).
 """
@@ -47,6 +48,7 @@ class Training:
     clip_grad_norm: float | None = None
     loss_reduction: str = "mean"
     ignore_index: int = -100
+    data_parallel: int = 1  # pipeline replicas, each on its shard of every batch, gradients summed across them
 
     @property
     def schedule_steps(self) -> int:
@@ -68,6 +70,8 @@ class Training:
         if self.accumulation_steps > 1:
             parts.append(f"{self.accumulation_steps} accumulation steps each")
         parts.append(f"loss {self.loss_reduction}")
+        if self.data_parallel > 1:
+            parts.append(f"{self.data_parallel} data-parallel replicas")
         return ", ".join(parts)
 
 

@@ -211,11 +211,13 @@ def check_arguments(
 
 def training_arguments(caller: str, *, steps: Any = 1, accumulation_steps: Any = 1, optimizer: Any = None,
                        clip_grad_norm: Any = None, loss_reduction: Any = "mean", ignore_index: Any = -100,
-                       batches: Any = None, loss_fn: Any = None) -> tuple[Training, tuple[Batch, ...]]:
+                       batches: Any = None, loss_fn: Any = None, data_parallel: Any = 1
+                       ) -> tuple[Training, tuple[Batch, ...]]:
     """The check's training loop and its batches, or one InputError listing every problem."""
     problems: list[str] = []
     _positive_int("steps", steps, problems)
     _positive_int("accumulation_steps", accumulation_steps, problems)
+    _positive_int("data_parallel", data_parallel, problems)
     if optimizer is not None and not callable(optimizer):
         problems.append(f"optimizer={_shown(optimizer)} is not a factory. Fix: pass a function of the parameters, "
                         "e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1).")
@@ -262,5 +264,6 @@ def training_arguments(caller: str, *, steps: Any = 1, accumulation_steps: Any =
     if problems:
         raise InputError(f"{caller} was called with {len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
     training = Training(plain(steps), plain(accumulation_steps), optimizer,
-                        None if clip_grad_norm is None else float(clip_grad_norm), loss_reduction, plain(ignore_index))
+                        None if clip_grad_norm is None else float(clip_grad_norm), loss_reduction, plain(ignore_index),
+                        plain(data_parallel))
     return training, found

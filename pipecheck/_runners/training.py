@@ -26,8 +26,9 @@ from pipecheck._runtime.optimizer import StageOptimizer
 from pipecheck._runtime.reference import DetachExecutor, weighted_loss
 from pipecheck._runtime.stage_step import add_param_grads
 from pipecheck._runtime.training import RankTraining, TrainSpec, rank_train
-from pipecheck._split.microbatch import merge_microbatches
+from pipecheck._split.microbatch import merge_microbatches, shard_batch
 from pipecheck._split.pipe import Pipe
+from pipecheck.errors import InputError, plural
 from pipecheck.losses import Reduction
 
 
@@ -35,9 +36,9 @@ def reductions(job: Job) -> list[Reduction]:
     """Each schedule step's loss weighting, from the job's convention over its optimizer step."""
     training = job.training
     found = []
-    for batches in job.optimizer_steps():
-        reduction = Reduction.of(training.loss_reduction, [b.target for b in batches], job.n_microbatches,
-                                 training.ignore_index)
+    for batches in job.optimizer_steps():  # every micro-batch of every replica weighs in
+        reduction = Reduction.of(training.loss_reduction, [b.target for b in batches],
+                                 job.n_microbatches * training.data_parallel, training.ignore_index)
         found += [reduction] * len(batches)
     return found
 
@@ -47,43 +48,76 @@ def _outputs(per_schedule_step: Sequence[Any]) -> Any:
 
 
 def train_reference(job: Job) -> list[StepResult]:
-    """The training loop on one private copy of the job's split, stage by stage in this process."""
-    pipe = job.split()
-    optimizer = StageOptimizer(pipe.stages, job.training.optimizer)
+    """The training loop on private copies of the job's split (one per data-parallel replica), stage by
+    stage in this process."""
+    d = job.training.data_parallel
+    pipes = [job.split() for _ in range(d)]
+    optimizers = [StageOptimizer(pipe.stages, job.training.optimizer) for pipe in pipes]
     weights = reductions(job)
     results = []
     i = 0
     for batches in job.optimizer_steps():
         started = time.perf_counter()
-        grads: dict[str, torch.Tensor] = {}
+        grads: list[dict[str, torch.Tensor]] = [{} for _ in pipes]
         outputs: list[Any] = []
         losses: list[torch.Tensor] = []
         for batch in batches:
-            step = DetachExecutor(pipe).step(batch.args, dict(batch.kwargs), loss_fn=job.loss_fn, target=batch.target,
-                                             n_microbatches=job.n_microbatches, reduction=weights[i])
-            add_param_grads(grads, step.grads)
-            outputs.append(step.outputs)
-            losses.append(step.loss if step.loss is not None else torch.zeros(()))
+            uneven = weights[i].uneven
+            shards = shard_batch((batch.args, dict(batch.kwargs)), d, uneven)
+            targets = shard_batch(batch.target, d, uneven, "target")
+            replica_outputs = []
+            for r, (pipe, (args, kwargs), target) in enumerate(zip(pipes, shards, targets)):
+                step = DetachExecutor(pipe).step(args, kwargs, loss_fn=job.loss_fn, target=target,
+                                                 n_microbatches=job.n_microbatches, reduction=weights[i])
+                add_param_grads(grads[r], step.grads)
+                replica_outputs.append(step.outputs)
+                losses.append(step.loss if step.loss is not None else torch.zeros(()))
+            outputs.append(merge_microbatches(replica_outputs))
             i += 1
-        by_stage = {s.index: {fqn: grads[fqn] for fqn in s.params if fqn in grads} for s in pipe.stages}
-        optimizer.step(by_stage, job.training.clip_grad_norm,
-                       counts=lambda stage, fqn: stage == min(pipe.param_stages(fqn)))
-        params, replicas = merge_stage_grads(optimizer.params_after(), pipe.tied_groups)
-        results.append(StepResult(_outputs(outputs), torch.stack(losses).sum(), {f: g.clone() for f, g in grads.items()},
-                                  buffers=pipe.buffers_after_step(), params=params, replica_params=replicas,
-                                  timings={"step_s": time.perf_counter() - started}))
+        total = _summed(grads)  # the data-parallel all-reduce
+        first_holder = {fqn: min(pipes[0].param_stages(fqn)) for fqn in total}  # each parameter counted once
+        for pipe, optimizer in zip(pipes, optimizers):
+            by_stage = {s.index: {fqn: total[fqn] for fqn in s.params if fqn in total} for s in pipe.stages}
+            optimizer.step(by_stage, job.training.clip_grad_norm,
+                           counts=lambda stage, fqn: stage == first_holder.get(fqn))
+        after = [optimizer.params_after() for optimizer in optimizers]
+        params, replicas = merge_stage_grads(after[0], pipes[0].tied_groups)
+        result = StepResult(_outputs(outputs), torch.stack(losses).sum(), {f: g.clone() for f, g in total.items()},
+                            buffers=pipes[0].buffers_after_step() if d == 1 else {}, params=params,
+                            replica_params=replicas, timings={"step_s": time.perf_counter() - started})
+        for r in range(1, d):
+            for stage, by_fqn in after[r].items():
+                for fqn, value in by_fqn.items():
+                    result.dp_params.setdefault(fqn, {})[(r, stage)] = value
+                    result.dp_grads.setdefault(fqn, {})[(r, stage)] = total[fqn].clone()
+        results.append(result)
     return results
 
 
+def _summed(per_replica: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    total: dict[str, torch.Tensor] = {}
+    for grads in per_replica:
+        add_param_grads(total, grads)
+    return total
+
+
 def train_distributed(runner: EngineRunner, job: Job) -> list[StepResult]:
-    """The training loop on the job's World: every rank keeps its stages and optimizer across steps."""
+    """The training loop on the job's World: every rank keeps its stages and optimizer across steps;
+    with ``data_parallel`` d, the World holds d pipelines."""
     pipe = job.structure()
     first = job.schedule_batches()[0]
     step = runner.plan(dataclasses.replace(job, args=first.args, kwargs=dict(first.kwargs), target=first.target), pipe)
     weights = tuple(reductions(job))
     spec = TrainSpec(dataclasses.replace(step, reduction=weights[0]), tuple(job.schedule_batches()), weights,
                      job.training)
-    world = world_for(job, runner.n_ranks(job, pipe, step), runner.label)
+    d = job.training.data_parallel
+    p = runner.n_ranks(job, pipe, step)
+    asked = job.world.world_size if job.world is not None else job.world_size
+    if d > 1 and asked is not None and asked != d * p:
+        raise InputError(f"data_parallel={d} replicas of a pipeline of {plural(p, 'rank')} need {d * p} ranks, but "
+                         f"{'the World has' if job.world is not None else 'world_size is'} {asked}. Fix: "
+                         f"World({d * p}) / world_size={d * p}, or data_parallel={max(1, asked // p)}.")
+    world = world_for(dataclasses.replace(job, world_size=None) if d > 1 else job, d * p, runner.label)
     started = time.perf_counter()
     reports: list[RankTraining] = run_engine(world, rank_train, spec, job,
                                              lambda err: runner.world_failed(err, job, step))
@@ -98,30 +132,42 @@ def train_distributed(runner: EngineRunner, job: Job) -> list[StepResult]:
 
 
 def _merge_step(pipe: Pipe, reports: Sequence[Any], job: Job, weights: Sequence[Reduction]) -> StepResult:
-    g = job.training.accumulation_steps
+    d, n = job.training.data_parallel, job.n_microbatches
     outputs, loss = [], torch.zeros(())
-    for a in range(g):
-        by_mb: dict[int, list[Any]] = {}
-        losses: dict[int, torch.Tensor] = {}
-        for report in reports:
-            by_mb.update(report.outputs[a])
-            losses.update(report.losses[a])
-        n = job.n_microbatches
-        outputs.append(merge_microbatches([pytree.tree_unflatten(by_mb[m], pipe.out_spec) for m in range(n)]))
-        loss = loss + weighted_loss([losses[m] for m in range(n)], weights[a])
+    for a in range(job.training.accumulation_steps):
+        replica_outputs = []
+        for r in range(d):
+            by_mb: dict[int, list[Any]] = {}
+            losses: dict[int, torch.Tensor] = {}
+            for report in reports:
+                if report.dp_rank == r:
+                    by_mb.update(report.outputs[a])
+                    losses.update(report.losses[a])
+            replica_outputs.append(merge_microbatches([pytree.tree_unflatten(by_mb[m], pipe.out_spec)
+                                                       for m in range(n)]))
+            loss = loss + weighted_loss([losses[m] for m in range(n)], weights[a])
+        outputs.append(merge_microbatches(replica_outputs))
     stage_grads, params, buffers = {}, {}, {}
     for report in reports:
-        stage_grads.update(report.stage_grads)
-        params.update(report.params)
-        buffers.update(report.buffers)
+        if report.dp_rank == 0:
+            stage_grads.update(report.stage_grads)
+            params.update(report.params)
+            buffers.update(report.buffers)
     grads, replica_grads = merge_stage_grads(stage_grads, pipe.tied_groups)
     merged_params, replica_params = merge_stage_grads(params, pipe.tied_groups)
     merged_buffers: dict[str, torch.Tensor] = {}
     for s in sorted(buffers):
         merged_buffers.update(buffers[s])
-    return StepResult(_outputs(outputs), loss, grads, buffers=merged_buffers, replica_grads=replica_grads,
-                      stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)], params=merged_params,
-                      replica_params=replica_params)
+    result = StepResult(_outputs(outputs), loss, grads, buffers=merged_buffers if d == 1 else {},
+                        replica_grads=replica_grads, stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
+                        params=merged_params, replica_params=replica_params)
+    for report in reports:
+        if report.dp_rank > 0:
+            for copies, by_stage in ((result.dp_grads, report.stage_grads), (result.dp_params, report.params)):
+                for stage, by_fqn in by_stage.items():
+                    for fqn, value in by_fqn.items():
+                        copies.setdefault(fqn, {})[(report.dp_rank, stage)] = value
+    return result
 
 
 class ReferenceRunner:

@@ -47,7 +47,7 @@ from pipecheck._runtime.stage_step import (
 )
 from pipecheck._runtime.timeline import Event
 from pipecheck._split.inputs import cast_inputs
-from pipecheck._split.microbatch import split_microbatches
+from pipecheck._split.microbatch import shard_batch, split_microbatches
 from pipecheck._split.pipe import Pipe, Stage, split_on
 from pipecheck._world.worker import RankContext
 from pipecheck.losses import MicrobatchLoss, Reduction
@@ -87,6 +87,17 @@ class RankResult(RankReport):
     events: list[Event] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Replica:
+    """One pipeline among ``count`` data-parallel ones: its ``index``, its first global rank, and the
+    process group of its ranks (None: the whole World is this one pipeline)."""
+
+    index: int = 0
+    count: int = 1
+    first_rank: int = 0
+    group: Any = None
+
+
 def dependencies(pipe: Pipe) -> dict[int, set[int]]:
     """Producer stages of each stage, from the split's edges (skips included)."""
     return {s.index: {src.stage for src in s.inputs if src.stage is not None} for s in pipe.stages}
@@ -114,15 +125,17 @@ def to_host(value: Any) -> Any:
 class StageExecutor:
     """Executes one rank's actions of one step."""
 
-    def __init__(self, ctx: RankContext, spec: StepSpec) -> None:
+    def __init__(self, ctx: RankContext, spec: StepSpec, *, replica: Replica | None = None) -> None:
+        """``replica``: this rank's pipeline among several data-parallel ones (its ranks, its group)."""
         self.ctx = ctx
         self.rank = ctx.rank
+        self.replica = replica or Replica()
         self.schedule = spec.schedule
         self.pipe = spec.split_on(ctx.device)
         self.recorder = Boundaries() if spec.record else None
         if self.recorder is not None:
             instrument(self.pipe, self.recorder)
-        self.stage_to_rank = spec.schedule.stage_to_rank
+        self.stage_to_rank = tuple(rank + self.replica.first_rank for rank in spec.schedule.stage_to_rank)
         self.links = Links(self.pipe, self.stage_to_rank, ctx.device, ctx.comm_device, ctx.secret)
         self.n_microbatches = spec.schedule.n_microbatches
         self.loss_fn = spec.loss_fn
@@ -142,6 +155,10 @@ class StageExecutor:
         n = self.n_microbatches
         inputs = cast_inputs(self.pipe.bind_inputs(args, kwargs), None, self.ctx.device)
         uneven = reduction is not None and reduction.uneven
+        replica = self.replica
+        if replica.count > 1:  # this replica's shard of the batch (the data-parallel split comes first)
+            inputs = shard_batch(inputs, replica.count, uneven)[replica.index]
+            target = shard_batch(target, replica.count, uneven, "target")[replica.index]
         shapes = [tuple(leaf.shape) for leaf in pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]
         if getattr(self, "_shapes", shapes) != shapes:
             self.links.layouts.clear()
@@ -305,7 +322,7 @@ class StageExecutor:
                 buffer = torch.zeros(param.shape, dtype=param.dtype, device=self.ctx.comm_device)
                 if local is not None:
                     buffer.copy_(local)
-                dist.all_reduce(buffer)
+                dist.all_reduce(buffer, group=self.replica.group)  # among this pipeline's ranks
                 local = buffer.to(self.ctx.device)
             for s in holders:
                 if local is not None:
@@ -319,7 +336,7 @@ class StageExecutor:
     def step(self) -> None:
         """One step: this rank's actions, then the tied-gradient all-reduce; results stay on the device."""
         self._reset()
-        actions = self.schedule.actions[self.rank]
+        actions = self.schedule.actions[self.rank - self.replica.first_rank]
         posted: dict[int, dict[Channel, Posted]] = {}
         for i, action in enumerate(actions):
             self.ctx.stage, self.ctx.action = action.stage, str(action)

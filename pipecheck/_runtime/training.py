@@ -3,7 +3,9 @@
     reports = world.run(rank_train, TrainSpec(step, batches, reductions, training))
     reports[r].steps[t].stage_grads / .params / .buffers / .outputs[a][mb] / .losses[a][mb]
 
-The rank splits the model once, builds its optimizer over its stages' parameters once, and runs
+With ``data_parallel`` d > 1 the World holds d pipelines of p ranks (ranks r*p .. r*p+p-1 are replica
+r), each on its shard of every batch; tied gradients are summed within a pipeline, and after the
+accumulation every gradient is summed over the d copies of its stage. The rank splits the model once, builds its optimizer over its stages' parameters once, and runs
 ``training.steps`` optimizer steps: each runs ``accumulation_steps`` schedule steps on their batches,
 adds their gradients, then clips them with the norm of the whole model (each rank's squared norm,
 a tied parameter counted on its first stage only, summed over the ranks) and steps the optimizer.
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 from pipecheck._core.result import RankReport
 from pipecheck._core.training import Batch, Training
-from pipecheck._runtime.executor import StageExecutor, StepSpec, to_host
+from pipecheck._runtime.executor import Replica, StageExecutor, StepSpec, to_host
 from pipecheck._runtime.optimizer import StageOptimizer
 from pipecheck._runtime.stage_step import add_param_grads
 from pipecheck._world.worker import RankContext
@@ -42,6 +44,7 @@ class TrainSpec:
 class TrainStepReport(RankReport):
     """One optimizer step of one rank: gradients before the optimizer, parameters after it."""
 
+    dp_rank: int = 0  # which data-parallel replica of the pipeline this rank belongs to
     outputs: list[dict[int, list[Any]]] = field(default_factory=list)  # per schedule step: mb -> output leaves
     losses: list[dict[int, torch.Tensor]] = field(default_factory=list)  # per schedule step: mb -> loss
 
@@ -55,15 +58,37 @@ class RankTraining(RankReport):
 
 def rank_train(ctx: RankContext, spec: TrainSpec) -> RankTraining:
     """The function every rank runs for a training loop (top-level, so it pickles)."""
-    executor = StageExecutor(ctx, spec.step)
+    d = spec.training.data_parallel
+    p = spec.step.schedule.n_ranks
+    pipelines, reducers = _groups(d, p)  # every rank creates every group, in one order
+    try:
+        replica = Replica(ctx.rank // p, d, ctx.rank // p * p, pipelines[ctx.rank // p] if d > 1 else None)
+        return _train(ctx, spec, replica, reducers[ctx.rank % p] if d > 1 else None)
+    finally:
+        for group in pipelines + reducers:
+            dist.destroy_process_group(group)
+
+
+def _groups(d: int, p: int) -> tuple[list[Any], list[Any]]:
+    """With ``d`` > 1 replicas of ``p`` ranks: each pipeline's group, and each stage position's group of
+    its ``d`` copies (the data-parallel all-reduce)."""
+    if d == 1:
+        return [], []
+    pipelines = [dist.new_group(list(range(r * p, (r + 1) * p))) for r in range(d)]
+    reducers = [dist.new_group([r * p + position for r in range(d)]) for position in range(p)]
+    return pipelines, reducers
+
+
+def _train(ctx: RankContext, spec: TrainSpec, replica: Replica, reducer: Any) -> RankTraining:
+    executor = StageExecutor(ctx, spec.step, replica=replica)
     pipe = executor.pipe
-    mine = [stage for stage in pipe.stages if executor._mine(stage.index)]
+    mine = [stage for stage in pipe.stages if executor.stage_to_rank[stage.index] == ctx.rank]
     optimizer = StageOptimizer(mine, spec.training.optimizer)
     first_holder = {fqn: min(pipe.param_stages(fqn)) for stage in mine for fqn in stage.params}
     result = RankTraining(ctx.rank)
     g = spec.training.accumulation_steps
     for t in range(spec.training.steps):
-        report = TrainStepReport(ctx.rank)
+        report = TrainStepReport(ctx.rank, dp_rank=replica.index)
         grads: dict[int, dict[str, torch.Tensor]] = {}
         for i in range(t * g, (t + 1) * g):
             batch = spec.batches[i]
@@ -73,9 +98,12 @@ def rank_train(ctx: RankContext, spec: TrainSpec) -> RankTraining:
                 add_param_grads(grads.setdefault(stage, {}), {f: v.detach() for f, v in stage_grads.items()})
             report.outputs.append(executor.result.outputs)
             report.losses.append(executor.result.losses)
+        if reducer is not None:
+            ctx.action = "data-parallel all-reduce"
+            _sum_over_replicas(ctx, grads, reducer)
         report.stage_grads = {stage: {fqn: v.clone() for fqn, v in by_fqn.items()} for stage, by_fqn in grads.items()}
         ctx.action = "optimizer step"
-        optimizer.step(grads, spec.training.clip_grad_norm, lambda local: _sum_over_ranks(ctx, local),
+        optimizer.step(grads, spec.training.clip_grad_norm, lambda local: _sum_over(ctx, local, replica.group),
                        lambda stage, fqn: first_holder.get(fqn) == stage)
         report.params = optimizer.params_after()
         report.buffers = executor.result.buffers
@@ -86,8 +114,18 @@ def rank_train(ctx: RankContext, spec: TrainSpec) -> RankTraining:
     return result
 
 
-def _sum_over_ranks(ctx: RankContext, local: torch.Tensor) -> torch.Tensor:
-    """``local`` summed over every rank of the pipeline (the squared gradient norms, for clipping)."""
+def _sum_over_replicas(ctx: RankContext, grads: dict[int, dict[str, torch.Tensor]], group: Any) -> None:
+    """Every gradient summed over the data-parallel copies of its stage (in stage, then FQN order: the
+    same on every copy), in place of this rank's own."""
+    for stage in sorted(grads):
+        for fqn in sorted(grads[stage]):
+            buffer = grads[stage][fqn].detach().to(ctx.comm_device).clone()
+            dist.all_reduce(buffer, group=group)
+            grads[stage][fqn] = buffer.to(ctx.device)
+
+
+def _sum_over(ctx: RankContext, local: torch.Tensor, group: Any) -> torch.Tensor:
+    """``local`` summed over the ranks of one pipeline (the squared gradient norms, for clipping)."""
     buffer = local.detach().to(ctx.comm_device, torch.float64).reshape(1).clone()
-    dist.all_reduce(buffer)
+    dist.all_reduce(buffer, group=group)
     return buffer.to(local.device, local.dtype).reshape(())

@@ -98,3 +98,16 @@ def merge_microbatches(values: list[Any]) -> Any:
         else:
             merged.append(first)
     return pytree.tree_unflatten(merged, spec)
+
+
+def shard_batch(value: Any, n_shards: int, uneven: bool = False, what: str = "input") -> list[Any]:
+    """``value`` cut on dim 0 into ``n_shards`` data-parallel shards, each still a whole batch: unlike
+    :func:`split_microbatches`, a :class:`Replicated` input stays wrapped (every shard gets it, and
+    its micro-batches will too)."""
+    if n_shards == 1:
+        return [value]
+    leaves, spec = pytree.tree_flatten(value, is_leaf=lambda leaf: isinstance(leaf, Replicated))
+    batched = [leaf if not isinstance(leaf, Replicated) else None for leaf in leaves]
+    pieces = split_microbatches(batched, n_shards, what, uneven=uneven)
+    return [pytree.tree_unflatten([leaf if isinstance(leaf, Replicated) else piece[i]
+                                   for i, leaf in enumerate(leaves)], spec) for piece in pieces]

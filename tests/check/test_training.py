@@ -30,15 +30,31 @@ def _check(runner, **settings):  # type: ignore[no-untyped-def]
     return pc.assert_equivalent(make_tied_lm, (x,), runner=runner, **options)
 
 
+@pytest.mark.parametrize("data_parallel", [1, 2])
 @pytest.mark.parametrize("runner", ["reference", Trainer()], ids=["reference", "users-engine"])
 @pytest.mark.parametrize("reduction, loss_fn", [("token_mean", token_ce), ("mean", mean_ce), ("sum", mean_ce)])
-def test_correct_engines_pass_every_step(runner, reduction, loss_fn) -> None:  # type: ignore[no-untyped-def]
-    report = _check(runner, loss_reduction=reduction, loss_fn=loss_fn)
+def test_correct_engines_pass_every_step(runner, reduction, loss_fn, data_parallel) -> None:  # type: ignore[no-untyped-def]
+    report = _check(runner, loss_reduction=reduction, loss_fn=loss_fn, data_parallel=data_parallel)
     assert report.ok
     names = [row.name for row in report.rows]
     assert "step 2: param emb.weight (replica in stage 1)" in names
     assert "step 2: grad l2.weight" in names and "step 0: output (schedule step 1 of 2)" in names
     assert "3 steps of adamw, gradients clipped to norm 0.5, 2 accumulation steps each" in report.headline()
+    if data_parallel == 2:
+        assert report.row("step 2: param emb.weight (dp rank 1, stage 1)").ok
+
+
+def test_pp2_dp2_on_a_world_of_four(pipecheck_world) -> None:  # type: ignore[no-untyped-def]
+    report = _check("distributed", world=pipecheck_world(4), data_parallel=2, steps=2)
+    assert report.ok
+    assert report.row("step 1: param emb.weight (dp rank 1, stage 1)").ok
+    assert report.row("step 1: grad l2.bias (dp rank 1, stage 1)").ok
+
+
+def test_data_parallel_asks_for_the_world_it_needs(pipecheck_world) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(pc.InputError, match=re.escape("data_parallel=2 replicas of a pipeline of 2 ranks need 4 ranks, "
+                                                      "but the World has 2")):
+        _check("distributed", world=pipecheck_world(2), data_parallel=2)
 
 
 @pytest.mark.parametrize("optimizer", [sgd, momentum, adamw])
@@ -65,11 +81,14 @@ def test_the_distributed_runtime_takes_batches_of_other_shapes(pipecheck_world) 
     ("rescaled_each_step", "step 0: grad", "gradient scaling"),
     ("clip_counts_replicas", "step 0: param", "optimizer step differs"),
     ("clip_counts_replicas-adamw", "step 1: param", "optimizer step differs"),  # Adam's first step ignores scale
+    ("dp_replica_not_reduced-dp", "step 0: grad l1.weight (dp rank 1, stage 0)", None),
+    ("dp_not_averaged-dpmean", "step 0: loss", "not divided by data_parallel=2"),
 ])
 def test_planted_training_bugs_are_caught_at_the_right_value(bug, first, hint) -> None:  # type: ignore[no-untyped-def]
-    bug, _, optimizer = bug.partition("-")
+    bug, _, variant = bug.partition("-")
     with pytest.raises(pc.EquivalenceError) as caught:
-        _check(Trainer(bug), optimizer=adamw if optimizer else sgd)
+        _check(Trainer(bug), optimizer=adamw if variant == "adamw" else sgd, data_parallel=2 if "dp" in variant else 1,
+               **({"loss_reduction": "mean", "loss_fn": mean_ce} if variant == "dpmean" else {}))
     report = caught.value.report
     assert report.located.startswith("first divergence: optimizer step " + first.split(":")[0].split()[1])
     failing = [row.name for row in report.failures]
@@ -123,6 +142,7 @@ def _one_call(job):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("settings, message", [
     ({"steps": 0}, "steps=0 must be a positive int"),
     ({"accumulation_steps": 1.5}, "accumulation_steps=1.5 must be a positive int"),
+    ({"data_parallel": 0}, "data_parallel=0 must be a positive int"),
     ({"optimizer": torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1)}, "an optimizer already built"),
     ({"optimizer": "adam"}, "is not a factory"),
     ({"clip_grad_norm": 1.0}, "clip_grad_norm was given without optimizer"),
@@ -132,7 +152,7 @@ def _one_call(job):  # type: ignore[no-untyped-def]
     ({"batches": [1, 2]}, "must be a non-empty list of pc.Batch (item 0 is int)"),
     ({"batches": [pc.Batch((torch.zeros(4, 5, dtype=torch.long),))], "steps": 2}, "batches has 1 batches"),
     ({"steps": 2, "runner": _one_call}, "runs one step per call"),
-], ids=["steps", "accumulation", "built-optimizer", "optimizer-str", "clip-alone", "clip-negative", "reduction",
+], ids=["steps", "accumulation", "data-parallel", "built-optimizer", "optimizer-str", "clip-alone", "clip-negative", "reduction",
         "token-mean-no-loss", "batches-type", "batches-count", "one-call-runner"])
 def test_bad_training_arguments_are_refused_with_the_fix(settings, message) -> None:  # type: ignore[no-untyped-def]
     x, y = tokens()

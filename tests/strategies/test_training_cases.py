@@ -23,9 +23,15 @@ def test_generated_training_loops_match_eager_on_the_reference(case: pst.Pipelin
 
 
 @settings(FEW, max_examples=4)
-@given(case=pst.pipeline_cases(training=True, max_stages=2, max_world_size=2, schedules=("1f1b",)))
+@given(case=pst.pipeline_cases(training=True, max_stages=2, max_world_size=4, schedules=("1f1b",)))
 def test_generated_training_loops_match_eager_on_the_runtime(case: pst.PipelineCase, pipecheck_world) -> None:
-    case.check("distributed", world=pipecheck_world(case.world_size))
+    case.check("distributed", world=pipecheck_world(case.world_size * case.data_parallel))
+
+
+def test_data_parallel_cases_are_drawn_where_they_fit() -> None:
+    case = find(pst.pipeline_cases(training=True, max_world_size=4), lambda c: c.data_parallel == 2, settings=EXACT)
+    assert case.spec.batch % (2 * case.n_microbatches) == 0 and case.world_size * 2 <= 4
+    assert case.call_arguments()["world_size"] == 2 * case.world_size
 
 
 def test_a_training_case_shrinks_to_one_step_without_an_optimizer() -> None:

@@ -78,6 +78,7 @@ class PipelineCase:
     accumulation_steps: int = 1
     optimizer: str | None = None
     loss_reduction: str = "mean"
+    data_parallel: int = 1  # pipeline replicas: the check runs on world_size * data_parallel ranks
 
     def __post_init__(self) -> None:
         if self.world_size is None:
@@ -88,9 +89,9 @@ class PipelineCase:
                             f"{self.stages_per_rank} do not hold the {self.num_stages} stages of "
                             f"split_spec; pass world_size * stages_per_rank == {self.num_stages}")
         if not (isinstance(self.n_microbatches, int) and self.n_microbatches >= 1
-                and self.spec.batch % self.n_microbatches == 0):
-            problems.append(f"n_microbatches={self.n_microbatches!r} must divide the batch "
-                            f"of {self.spec.batch}")
+                and self.spec.batch % (self.n_microbatches * self.data_parallel) == 0):
+            problems.append(f"n_microbatches={self.n_microbatches!r} x data_parallel={self.data_parallel!r} must "
+                            f"divide the batch of {self.spec.batch}")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             problems.append(f"optimizer={self.optimizer!r} is not one of {list(OPTIMIZERS)}")
         _raise_if_any("PipelineCase", problems)
@@ -103,8 +104,9 @@ class PipelineCase:
         """The training options of ``pc.assert_equivalent`` this case sets (none for a one-step case)."""
         found = {"steps": self.steps, "accumulation_steps": self.accumulation_steps,
                  "optimizer": OPTIMIZERS[self.optimizer] if self.optimizer else None,
-                 "loss_reduction": self.loss_reduction}
-        defaults = {"steps": 1, "accumulation_steps": 1, "optimizer": None, "loss_reduction": "mean"}
+                 "loss_reduction": self.loss_reduction, "data_parallel": self.data_parallel}
+        defaults = {"steps": 1, "accumulation_steps": 1, "optimizer": None, "loss_reduction": "mean",
+                    "data_parallel": 1}
         return tuple((name, value) for name, value in found.items() if value != defaults[name])
 
     @property
@@ -124,7 +126,7 @@ class PipelineCase:
         return {
             "split_spec": dict(self.split_spec), "n_microbatches": self.n_microbatches,
             "schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
-            "world_size": self.world_size, "dtype": self.dtype,
+            "world_size": self.world_size * self.data_parallel, "dtype": self.dtype,
             "runner": self.runner if runner is None else runner, **dict(self.training_arguments()), **extra,
         }
 
@@ -221,7 +223,8 @@ def pipeline_cases(
     rank gets a multiple of ``world_size`` micro-batches; ``n_microbatches``
     divides the batch (and is at most ``max_microbatches``). ``training=True`` also draws a
     training loop: 1 to 3 optimizer steps of one of ``OPTIMIZERS`` (or none), 1 or 2 accumulation
-    steps, a loss convention of ``LOSS_REDUCTIONS`` (give runners that train: "reference",
+    steps, a loss convention of ``LOSS_REDUCTIONS``, 1 or 2 data-parallel replicas (when the batch and
+    ``max_world_size`` allow) (give runners that train: "reference",
     "distributed", or a runner with a ``train`` method).
 
     Shrinks towards fewer layers (and the model's own shrinking), fewer
@@ -293,8 +296,11 @@ def _draw_pipeline_cases(
     n_microbatches = _pick(draw, tuple(counts))
     loop: dict[str, Any] = {}
     if training is True:
+        replicas = tuple(d for d in (1, 2) if spec.batch % (n_microbatches * d) == 0
+                         and world_size * d <= config.max_world_size)
         loop = {"steps": draw(st.integers(1, 3)), "accumulation_steps": draw(st.integers(1, 2)),
-                "optimizer": _pick(draw, (None, *OPTIMIZERS)), "loss_reduction": _pick(draw, LOSS_REDUCTIONS)}
+                "optimizer": _pick(draw, (None, *OPTIMIZERS)), "loss_reduction": _pick(draw, LOSS_REDUCTIONS),
+                "data_parallel": _pick(draw, replicas)}
     return PipelineCase(spec, split_spec, n_microbatches, schedule, stages_per_rank, world_size,
                         dtype, runner, **loop)
 
