@@ -165,3 +165,12 @@ def test_bad_training_arguments_are_refused_with_the_fix(settings, message) -> N
 def test_token_mean_needs_per_token_losses() -> None:
     with pytest.raises(pc.LossError, match="must return every token's loss"):
         _check("reference", loss_fn=mean_ce)
+
+
+@pytest.mark.gpu(n=1)
+def test_training_checks_on_a_gpu() -> None:
+    """The eager, float64 and reference training on CUDA; pipecheck's runtime with 2 x 2 ranks sharing it."""
+    assert _check("reference", device="cuda").ok
+    with pc.World(4, device="cuda") as world:
+        report = _check("distributed", device="cuda", world=world, data_parallel=2, steps=2)
+    assert report.row("step 1: param emb.weight (dp rank 1, stage 1)").ok
