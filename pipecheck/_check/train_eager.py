@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -40,11 +40,14 @@ def prepared_batches(model: nn.Module, batches: Sequence[Batch], dtype: torch.dt
 
 
 def train_eager(model: nn.Module, batches: list[Inputs], training: Training, loss_fn: LossFn | None,
-                n_microbatches: int, targets: list[Any] | None = None) -> tuple[list[StepResult], list[Any]]:
+                n_microbatches: int, targets: list[Any] | None = None,
+                perturb: Callable[[int, str, torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[list[StepResult], list[Any]]:
     """``training.steps`` optimizer steps of ``model`` itself (trained in place: pass a copy).
 
     ``targets``: each batch's target (the fp32 run's, cast); None: the batches' own, the projection's
-    weights where there is no ``loss_fn``. Returns one result per optimizer step and the targets used."""
+    weights where there is no ``loss_fn``. ``perturb(step, name, grad)``: added to each gradient the
+    optimizer gets (not to the one reported). Returns one result per optimizer step and the targets used."""
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(training.optimizer, [p for _, p in params]) if training.optimizer else None
     g = training.accumulation_steps
@@ -75,8 +78,10 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
             del mb_outputs, total
         grads = {name: grad for (name, _), grad in zip(params, sums) if grad is not None}
         if optimizer is not None:
-            for (_, param), grad in zip(params, sums):
+            for (name, param), grad in zip(params, sums):
                 param.grad = None if grad is None else grad.detach().clone()
+                if perturb is not None and param.grad is not None:
+                    param.grad += perturb(t, name, param.grad)
             if training.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_([p for _, p in params], training.clip_grad_norm)
             optimizer.step()

@@ -69,13 +69,13 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
         batches = prepared_batches(built, job.schedule_batches(), dtype, device)
         uneven = job.training.loss_reduction != "mean"  # its micro-batches may differ in size: probe them whole
         check_deterministic(built, inputs, 1 if uneven else job.n_microbatches * job.training.data_parallel, seed)
-        eager, truth, targets = eager_runs(built, batches, job, seed)
+        eager, truth, targets, drift = eager_runs(built, batches, job, seed)
     job = dataclasses.replace(job, loss_fn=job.loss_fn or projection_loss, target=targets[0],
                               batches=training_batches(batches, targets))
     with clock("runner_s"):
         results = runner_steps(train, runner_name, job)
     with clock("compare_s"):
-        rows, hints, located = compare_steps(pipe, job, results, eager, truth, tolerance, check_grads)
+        rows, hints, located = compare_steps(pipe, job, results, eager, truth, tolerance, check_grads, drift)
     out_dtype = next((leaf.dtype for leaf in pytree.tree_leaves(eager[0].outputs)
                   if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()), torch.float32)
     notes = [note for result in results[:1] for note in result.notes]
@@ -89,8 +89,9 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
 
 
 def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: int
-               ) -> tuple[list[StepResult], list[StepResult], list[Any]]:
-    """Eager trained in its dtype, the float64 truth trained the same way, and each batch's target."""
+               ) -> tuple[list[StepResult], list[StepResult], list[Any], list[StepResult | None]]:
+    """Eager trained in its dtype, the float64 truth trained the same way, each batch's target, and
+    per step how far a correct engine may drift from the truth through the optimizer (see :func:`_drift`)."""
     model = copy.deepcopy(built)  # the split's stages share ``built``'s parameters: train copies only
     n = job.n_microbatches * job.training.data_parallel  # eager runs every replica's micro-batches, in order
     with seeded(seed):
@@ -102,7 +103,44 @@ def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: in
     with seeded(seed):
         truth, _ = train_eager(float64_copy(built), batches64, job.training, job.loss_fn or projection_loss,
                                n, targets=targets64)
-    return eager, truth, targets
+    drift: list[StepResult | None] = [None] * len(truth)
+    if job.training.optimizer is not None and len(truth) > 0:
+        with seeded(seed):
+            moved, _ = train_eager(float64_copy(built), batches64, job.training, job.loss_fn or projection_loss, n,
+                                   targets=targets64, perturb=_perturbation(eager, truth, seed))
+        drift = [_difference(a, b) for a, b in zip(moved, truth)]
+    return eager, truth, targets, drift
+
+
+def _perturbation(eager: list[StepResult], truth: list[StepResult], seed: int
+                  ) -> Callable[[int, str, torch.Tensor], torch.Tensor]:
+    """Gradients moved, element by element with random signs, by as much as eager's own are off the truth.
+
+    An optimizer can amplify a gradient's rounding: Adam's update of an element whose gradient is near
+    zero turns on its sign. A correct engine's gradients are off the truth by about what eager's are,
+    on other elements; the truth trained again on gradients moved that much shows how far the
+    parameters (and every later value) of such an engine may drift, element by element (``_drift``)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def perturb(step: int, name: str, grad: torch.Tensor) -> torch.Tensor:
+        own, true = eager[step].grads.get(name), truth[step].grads.get(name)
+        if own is None or true is None:
+            return torch.zeros_like(grad)
+        size = (own.double() - true.to(own.device)).abs().max().to(grad)
+        signs = torch.randint(0, 2, grad.shape, generator=generator, dtype=torch.int8).to(grad.device) * 2 - 1
+        return signs.to(grad) * size
+    return perturb
+
+
+def _difference(moved: StepResult, truth: StepResult) -> StepResult:
+    """``|moved - truth|`` value by value (0 where a value is missing)."""
+    def diff(a: Any, b: Any) -> Any:
+        return (a - b).abs() if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+            else None
+    return StepResult(pytree.tree_map(diff, moved.outputs, truth.outputs), diff(moved.loss, truth.loss),
+                      {k: diff(v, truth.grads.get(k)) for k, v in moved.grads.items()},
+                      buffers={k: diff(v, truth.buffers.get(k)) for k, v in moved.buffers.items()},
+                      params={k: diff(v, truth.params.get(k)) for k, v in moved.params.items()})
 
 
 def runner_steps(train: Callable[[Job], Any], runner_name: str, job: Job) -> list[StepResult]:
@@ -128,14 +166,16 @@ def training_batches(batches: Sequence[Inputs], targets: Sequence[Any]) -> tuple
 
 
 def compare_steps(pipe: Pipe, job: Job, results: list[StepResult], eager: list[StepResult],
-                  truth: list[StepResult], tolerance: ToleranceLike, check_grads: bool
-                  ) -> tuple[list[Row], dict[str, str], str]:
-    """Every row of every step, hints, and where the runs part (in words; "" when they do not)."""
+                  truth: list[StepResult], tolerance: ToleranceLike, check_grads: bool,
+                  drift: Sequence[StepResult | None] = ()) -> tuple[list[Row], dict[str, str], str]:
+    """Every row of every step, hints, and where the runs part (in words; "" when they do not).
+    ``drift``: per step, how far a correct engine may be off the truth through the optimizer."""
     rows: list[Row] = []
     by_step: list[list[Row]] = []
+    drifts = list(drift) + [None] * (len(results) - len(drift))
     for t, (result, e, r) in enumerate(zip(results, eager, truth)):
         prefix = f"step {t}: " if len(results) > 1 else ""
-        step_rows = _step_rows(pipe, job, prefix, result, e, r, tolerance, check_grads)
+        step_rows = _step_rows(pipe, job, prefix, result, e, r, tolerance, check_grads, drifts[t])
         by_step.append(step_rows)
         rows += step_rows
     rows = judge_power(rows)
@@ -162,9 +202,12 @@ _KIND_WORDS = {"outputs": "outputs", "loss": "loss", "grads": "gradients before 
 
 
 def _step_rows(pipe: Pipe, job: Job, prefix: str, result: StepResult, eager: StepResult, truth: StepResult,
-               tolerance: ToleranceLike, check_grads: bool) -> list[Row]:
+               tolerance: ToleranceLike, check_grads: bool, drift: StepResult | None = None) -> list[Row]:
     last = (pipe.num_stages - 1,)
     rows = []
+    none = StepResult(None, None, {})
+    drift = drift or none
+    drift_outputs = pytree.tree_leaves(drift.outputs) if drift.outputs is not None else []
     g = job.training.accumulation_steps
     for a in range(g):  # an accumulating step's outputs: one per schedule step
         suffix = f" (schedule step {a} of {g})" if g > 1 else ""
@@ -172,39 +215,46 @@ def _step_rows(pipe: Pipe, job: Job, prefix: str, result: StepResult, eager: Ste
             and len(result.outputs) == g else None
         got = {output_name(path): leaf for path, leaf in pytree.tree_flatten_with_path(tested)[0]}
         expected, true_outputs = (eager.outputs, truth.outputs) if g == 1 else (eager.outputs[a], truth.outputs[a])
-        for (path, leaf), true in zip(pytree.tree_flatten_with_path(expected)[0], pytree.tree_leaves(true_outputs)):
+        leaves = pytree.tree_flatten_with_path(expected)[0]
+        drifted = drift_outputs[a * len(leaves):(a + 1) * len(leaves)] if g > 1 else drift_outputs
+        for i, ((path, leaf), true) in enumerate(zip(leaves, pytree.tree_leaves(true_outputs))):
             name = output_name(path)
-            rows.append(compare(prefix + name + suffix, got.get(name), leaf, true, tolerance, last, kind="outputs"))
-    rows.append(compare(prefix + "loss", result.loss, eager.loss, truth.loss, tolerance, last, kind="loss"))
+            rows.append(compare(prefix + name + suffix, got.get(name), leaf, true, tolerance, last, kind="outputs",
+                                truth_error=drifted[i] if i < len(drifted) else None))
+    rows.append(compare(prefix + "loss", result.loss, eager.loss, truth.loss, tolerance, last, kind="loss",
+                        truth_error=drift.loss))
     if check_grads:
         for fqn, grad in eager.grads.items():
             stages = pipe.param_stages(fqn)
+            moved = drift.grads.get(fqn)
             rows.append(compare(f"{prefix}grad {fqn}", result.grads.get(fqn), grad, truth.grads[fqn], tolerance,
-                                stages, kind="grads"))
+                                stages, kind="grads", truth_error=moved))
             for stage, replica in sorted(result.replica_grads.get(fqn, {}).items()):
                 rows.append(compare(f"{prefix}grad {fqn} (replica in stage {stage})", replica, grad,
-                                    truth.grads[fqn], tolerance, (stage,), kind="grads"))
+                                    truth.grads[fqn], tolerance, (stage,), kind="grads", truth_error=moved))
     for fqn, param in eager.params.items():
-        stages = pipe.param_stages(fqn)
+        stages, moved = pipe.param_stages(fqn), drift.params.get(fqn)
         rows.append(compare(f"{prefix}param {fqn}", result.params.get(fqn), param, truth.params[fqn], tolerance,
-                            stages, kind="params"))
+                            stages, kind="params", truth_error=moved))
         for stage, replica in sorted(result.replica_params.get(fqn, {}).items()):
             rows.append(compare(f"{prefix}param {fqn} (replica in stage {stage})", replica, param,
-                                truth.params[fqn], tolerance, (stage,), kind="params"))
+                                truth.params[fqn], tolerance, (stage,), kind="params", truth_error=moved))
     for fqn, copies in sorted(result.dp_grads.items()) if check_grads else ():
         for (dp_rank, stage), copy_ in sorted(copies.items()):
             if fqn in eager.grads:
                 rows.append(compare(f"{prefix}grad {fqn} (dp rank {dp_rank}, stage {stage})", copy_, eager.grads[fqn],
-                                    truth.grads[fqn], tolerance, (stage,), kind="grads"))
+                                    truth.grads[fqn], tolerance, (stage,), kind="grads",
+                                    truth_error=drift.grads.get(fqn)))
     for fqn, copies in sorted(result.dp_params.items()):
         for (dp_rank, stage), copy_ in sorted(copies.items()):
             if fqn in eager.params:
                 rows.append(compare(f"{prefix}param {fqn} (dp rank {dp_rank}, stage {stage})", copy_,
-                                    eager.params[fqn], truth.params[fqn], tolerance, (stage,), kind="params"))
+                                    eager.params[fqn], truth.params[fqn], tolerance, (stage,), kind="params",
+                                    truth_error=drift.params.get(fqn)))
     for fqn, buffer in eager.buffers.items() if job.training.data_parallel == 1 else ():
         if fqn in result.buffers:
             rows.append(compare(f"{prefix}buffer {fqn}", result.buffers[fqn], buffer, truth.buffers[fqn], tolerance,
-                                pipe.buffer_stages(fqn), kind="buffers"))
+                                pipe.buffer_stages(fqn), kind="buffers", truth_error=drift.buffers.get(fqn)))
     return rows
 
 

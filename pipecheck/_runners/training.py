@@ -54,6 +54,11 @@ def train_reference(job: Job) -> list[StepResult]:
     pipes = [job.split() for _ in range(d)]
     optimizers = [StageOptimizer(pipe.stages, job.training.optimizer) for pipe in pipes]
     weights = reductions(job)
+    first_holder = {fqn: min(pipes[0].param_stages(fqn)) for s in pipes[0].stages for fqn in s.params}
+
+    def counted(stage: int, fqn: str) -> bool:  # each parameter in the clipping norm once
+        return stage == first_holder.get(fqn)
+
     results = []
     i = 0
     for batches in job.optimizer_steps():
@@ -75,11 +80,10 @@ def train_reference(job: Job) -> list[StepResult]:
             outputs.append(merge_microbatches(replica_outputs))
             i += 1
         total = _summed(grads)  # the data-parallel all-reduce
-        first_holder = {fqn: min(pipes[0].param_stages(fqn)) for fqn in total}  # each parameter counted once
         for pipe, optimizer in zip(pipes, optimizers):
             by_stage = {s.index: {fqn: total[fqn] for fqn in s.params if fqn in total} for s in pipe.stages}
             optimizer.step(by_stage, job.training.clip_grad_norm,
-                           counts=lambda stage, fqn: stage == first_holder.get(fqn))
+                           counts=counted)
         after = [optimizer.params_after() for optimizer in optimizers]
         params, replicas = merge_stage_grads(after[0], pipes[0].tied_groups)
         result = StepResult(_outputs(outputs), torch.stack(losses).sum(), {f: g.clone() for f, g in total.items()},
