@@ -114,7 +114,8 @@ def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: in
 
 def _perturbation(eager: list[StepResult], truth: list[StepResult], seed: int
                   ) -> Callable[[int, str, torch.Tensor], torch.Tensor]:
-    """Gradients moved, element by element with random signs, by as much as eager's own are off the truth.
+    """Gradients moved, element by element with random signs, by as much as eager's own are off the truth
+    there.
 
     An optimizer can amplify a gradient's rounding: Adam's update of an element whose gradient is near
     zero turns on its sign. A correct engine's gradients are off the truth by about what eager's are,
@@ -126,7 +127,7 @@ def _perturbation(eager: list[StepResult], truth: list[StepResult], seed: int
         own, true = eager[step].grads.get(name), truth[step].grads.get(name)
         if own is None or true is None:
             return torch.zeros_like(grad)
-        size = (own.double() - true.to(own.device)).abs().max().to(grad)
+        size = (own.double() - true.to(own.device)).abs().to(grad)
         signs = torch.randint(0, 2, grad.shape, generator=generator, dtype=torch.int8).to(grad.device) * 2 - 1
         return signs.to(grad) * size
     return perturb

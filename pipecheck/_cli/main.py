@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "<!-- pipecheck-zoo-NAME:begin/end --> instead of the main zoo markers")
     zoo.add_argument("--json", metavar="FILE", help="also write every cell as JSON to FILE (model, column, "
                      "schedule, text, outcome: pass, fail, error or adapter) with the torch version and exit status")
+    zoo.add_argument("--training", action="store_true",
+                     help="add a column that trains on pipecheck's runtime: 3 optimizer steps of AdamW with "
+                          "clipping, 2 accumulation steps each, 2 data-parallel replicas (twice the ranks)")
     zoo.add_argument("-v", "--verbose", action="store_true", help="print each row to stderr as it is done")
     common(zoo)
     zoo.set_defaults(func=cmd_zoo)

@@ -36,6 +36,19 @@ ZOO_STATUS = ("zoo exits 0 when every cell of pipecheck's own runners passes, 1 
               "exit 4 (1 if a cell is also FAIL).")
 # zoo columns whose mismatches never change its exit status: other people's engines (findings, not failures)
 NOT_COUNTED = ("torch", *registry.OPTIONAL)
+TRAINING_COLUMN = "training"  # --training: pipecheck's runtime trained as engines train
+
+
+def adamw(params: Any) -> Any:
+    """The --training column's optimizer (top-level: it travels to the ranks)."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+TRAINING = {"steps": 3, "accumulation_steps": 2, "optimizer": adamw, "clip_grad_norm": 1.0, "data_parallel": 2}
+"""The --training column: 3 optimizer steps of AdamW with clipping, 2 accumulation steps each, 2 data-parallel
+replicas of the pipeline (so a model of p stages runs on 2p ranks)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +142,8 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         pairs = [(spec, schedule) for spec in (args.runners.split(",") if args.runners else RUNNERS)
                  for schedule in schedules]
     columns = [(*runner_option(spec), schedule) for spec, schedule in pairs]  # (column, runner, schedule)
+    if args.training:
+        columns.append((TRAINING_COLUMN, "distributed", args.schedule))
     if args.write_markdown:  # a file without the markers fails now, not after the zoo
         write_marked_block(args.write_markdown, None, args.block)
     if args.json:
@@ -185,7 +200,8 @@ def _run_zoo(args: argparse.Namespace, zoo: list[Any], columns: list[tuple[str, 
                 pc.assert_equivalent, entry.factory(style), call_args, call_kwargs, runner=runner,
                 loss_fn=entry.loss_fn, target=entry.target(), n_microbatches=args.n_microbatches,
                 schedule=schedule, stages_per_rank=stages_per_rank_for(column, schedule, args.stages_per_rank),
-                dtype=dtype_option(args.dtype), device=device, timeout=args.timeout, **entry.cut(style))
+                dtype=dtype_option(args.dtype), device=device, timeout=args.timeout, **entry.cut(style),
+                **(TRAINING if column == TRAINING_COLUMN else {}))
             cell = zoo_cell(run)
             built_in = registry.runner_named(column)
             if built_in is None or built_in.name not in NOT_COUNTED or cell.outcome in COUNTED_EVERYWHERE:

@@ -107,3 +107,15 @@ def test_the_zoo_shows_its_progress_on_a_terminal_and_nothing_in_a_pipe(monkeypa
         else:
             assert terminal.text == ""
         assert "zoo:" not in out and "| mlp" not in out and "mlp " in out
+
+
+def test_training_adds_a_column_that_trains_on_the_runtime_with_data_parallel(
+        pipecheck_world, capsys: pytest.CaptureFixture[str]) -> None:
+    pipecheck_world(6)  # the training column: 2 data-parallel replicas of kwarg_default's 3 stages
+    code = main(["zoo", "--models", "kwarg_default", "--runners", "reference", "--training", "--stages-per-rank", "1"])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("model"))
+    assert header.split()[-2:] == ["reference", "training"]
+    row = next(line for line in out.splitlines() if line.startswith("kwarg_default"))
+    assert row.count("pass (max abs") == 2, out
+    assert code == 0
