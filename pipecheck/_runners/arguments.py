@@ -259,6 +259,9 @@ def training_arguments(caller: str, *, steps: Any = 1, accumulation_steps: Any =
                             "pc.Batch per schedule step, or steps=len(batches) // accumulation_steps.")
         for i, batch in enumerate(found if not wrong else ()):
             problems += _foreign_leaves((batch.args, dict(batch.kwargs), batch.target), f"batches[{i}]")
+        if loss_fn is None and not wrong and any(batch.target is not None for batch in found):
+            problems.append("batches have targets but no loss_fn was given: the default loss (a random projection "
+                            "of the outputs) takes none. Fix: pass loss_fn=..., or leave target out of the batches.")
     if len(problems) == 1:
         raise InputError(f"{caller}: {problems[0]}")
     if problems:

@@ -152,8 +152,12 @@ def _one_call(job):  # type: ignore[no-untyped-def]
     ({"batches": [1, 2]}, "must be a non-empty list of pc.Batch (item 0 is int)"),
     ({"batches": [pc.Batch((torch.zeros(4, 5, dtype=torch.long),))], "steps": 2}, "batches has 1 batches"),
     ({"steps": 2, "runner": _one_call}, "runs one step per call"),
+    ({"loss_fn": None, "target": None, "batches": [pc.Batch((torch.zeros(8, 5, dtype=torch.long),), target=1)]},
+     "batches have targets but no loss_fn"),
+    ({"optimizer": lambda params: "sgd"}, "returned str, not a torch.optim.Optimizer"),
 ], ids=["steps", "accumulation", "data-parallel", "built-optimizer", "optimizer-str", "clip-alone", "clip-negative", "reduction",
-        "token-mean-no-loss", "batches-type", "batches-count", "one-call-runner"])
+        "token-mean-no-loss", "batches-type", "batches-count", "one-call-runner", "batch-target-no-loss",
+        "optimizer-returns-str"])
 def test_bad_training_arguments_are_refused_with_the_fix(settings, message) -> None:  # type: ignore[no-untyped-def]
     x, y = tokens()
     options = {"loss_fn": mean_ce, "target": y, "runner": "reference", **settings}
@@ -174,3 +178,29 @@ def test_training_checks_on_a_gpu() -> None:
     with pc.World(4, device="cuda") as world:
         report = _check("distributed", device="cuda", world=world, data_parallel=2, steps=2)
     assert report.row("step 1: param emb.weight (dp rank 1, stage 1)").ok
+
+
+class _Broken:
+    """A runner whose train method is wrong in the ways an engine's adapter can be."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def __call__(self, job):  # type: ignore[no-untyped-def]
+        raise AssertionError("not called")
+
+    def train(self, job):  # type: ignore[no-untyped-def]
+        if self.how == "raises":
+            raise RuntimeError("engine exploded")
+        results = Trainer().train(job)
+        return results[:1] if self.how == "short" else {"steps": results}
+
+
+@pytest.mark.parametrize("how, message", [
+    ("raises", "failed to train: RuntimeError: engine exploded"),
+    ("short", "returned 1 items; it must return a list of 3 pc.StepResults, one per optimizer step"),
+    ("dict", "returned dict; it must return a list of 3 pc.StepResults"),
+])
+def test_a_runner_that_trains_wrongly_is_an_engine_error(how, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(pc.EngineError, match=re.escape(message)):
+        _check(_Broken(how))
