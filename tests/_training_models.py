@@ -37,6 +37,24 @@ def make_tied_lm() -> TiedLM:
     return TiedLM()
 
 
+class UntiedLM(TiedLM):
+    """TiedLM with an output projection of its own."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l1(self.emb(x)))
+        pc.pipe_split()
+        return self.head(torch.tanh(self.l2(h)))
+
+
+def make_untied_lm() -> UntiedLM:
+    torch.manual_seed(0)
+    return UntiedLM()
+
+
 def token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Every token's loss (reduction='none'); ignore_index -100 gives 0 there."""
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none")

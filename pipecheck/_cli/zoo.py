@@ -46,7 +46,7 @@ def adamw(params: Any) -> Any:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-TRAINING = {"steps": 3, "accumulation_steps": 2, "optimizer": adamw, "clip_grad_norm": 1.0, "data_parallel": 2}
+TRAINING: dict[str, Any] = {"steps": 3, "accumulation_steps": 2, "optimizer": adamw, "clip_grad_norm": 1.0, "data_parallel": 2}
 """The --training column: 3 optimizer steps of AdamW with clipping, 2 accumulation steps each, 2 data-parallel
 replicas of the pipeline (so a model of p stages runs on 2p ranks)."""
 

@@ -12,6 +12,7 @@ from _training_models import (
     Trainer,
     adamw,
     make_tied_lm,
+    make_untied_lm,
     mean_ce,
     momentum,
     sgd,
@@ -204,3 +205,27 @@ class _Broken:
 def test_a_runner_that_trains_wrongly_is_an_engine_error(how, message) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(pc.EngineError, match=re.escape(message)):
         _check(_Broken(how))
+
+
+@pytest.mark.parametrize("reduction, loss_fn", [("token_mean", token_ce), ("mean", mean_ce)])
+def test_torch_pipelining_trains_an_untied_model_like_eager(pipecheck_world, reduction, loss_fn) -> None:  # type: ignore[no-untyped-def]
+    x, y = tokens(pad=3)
+    report = pc.assert_equivalent(make_untied_lm, (x,), loss_fn=loss_fn, target=y, runner="torch",
+                                  world=pipecheck_world(2), loss_reduction=reduction, **LOOP)
+    assert report.ok and report.row("step 2: param head.weight").ok
+
+
+def test_torch_pipelining_s_unsynchronised_tied_weight_shows_in_training(pipecheck_world) -> None:  # type: ignore[no-untyped-def]
+    """torch never sums a tied weight's replicas: each steps on its own stage's share."""
+    with pytest.raises(pc.EquivalenceError) as caught:
+        _check("torch", world=pipecheck_world(2), optimizer=sgd)
+    report = caught.value.report
+    assert report.located.startswith("first divergence: optimizer step 0 of 3, in its gradients before the optimizer: "
+                                     "step 0: grad emb.weight")
+    assert report.row("step 0: grad l1.weight").ok  # the untied weights' gradients still match
+    assert not report.row("step 0: param emb.weight (replica in stage 1)").ok
+
+
+def test_torch_pipelining_has_no_data_parallel_here(pipecheck_world) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(pc.InputError, match="composing it with DDP or FSDP is not supported yet"):
+        _check("torch", world=pipecheck_world(4), data_parallel=2)

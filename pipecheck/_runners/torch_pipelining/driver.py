@@ -72,6 +72,7 @@ from pipecheck._runners.torch_pipelining.rank import (
     torch_pipe,
     torch_rank_step,
 )
+from pipecheck._runners.torch_pipelining.train import train_torch
 from pipecheck._runtime.boundaries import Boundaries
 from pipecheck._schedule.torch_classes import TORCH_SCHEDULES, torch_layout
 from pipecheck._split.inputs import cast_inputs
@@ -181,6 +182,10 @@ class TorchRunner(EngineRunner):
         """torch cuts and names the values itself: its own split, run in this process, is the truth
         a failing check lines the ranks' recorded values up with."""
         return torch_reference_boundaries(job)
+
+    def train(self, job: Job) -> list[StepResult]:
+        """Several optimizer steps, torch's stages and schedule kept across them (``train.py`` beside this)."""
+        return train_torch(self, job)
 
     def merge(self, job: Job, pipe: Pipe, plan: Any, reports: Sequence[TorchRankResult]) -> StepResult:
         last = next(r for r in reports if r.losses)  # torch merges the outputs on the last stage's rank

@@ -71,6 +71,9 @@ class TorchStepSpec:
     torch_class: str  # torch's schedule class, chosen on the driver (pipecheck._schedule.torch_classes.torch_layout)
     stage_to_rank: tuple[int, ...]  # where each stage runs
     record: bool = False  # record boundary values (a failing check's second run, to find where it diverges)
+    # torch divides the gradients by n_microbatches after each step (one step: the mean loss). A training
+    # loop weighs the losses itself instead: torch's division would also divide what earlier steps accumulated.
+    scale_grads: bool = True
 
     @property
     def out_spec(self) -> pytree.TreeSpec:
@@ -177,6 +180,7 @@ class _LossOfMicrobatch:
         self.out_spec = spec.out_spec
         self.by_index = by_index
         self.calls = 0
+        self.scale = 1.0  # a training loop's weight of each micro-batch's loss (torch then scales nothing)
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         mb = int(target.reshape(-1)[0]) if self.by_index else self.calls
@@ -186,7 +190,8 @@ class _LossOfMicrobatch:
         if not self.loss_of.default and not self.by_index and not torch.equal(target, expected):
             raise TorchStepError(f"torch chunked the target differently from pipecheck at micro-batch {mb} "
                                  f"(torch: shape {tuple(target.shape)}, pipecheck: shape {tuple(expected.shape)})")
-        return self.loss_of(mb, output)
+        loss = self.loss_of(mb, output)
+        return loss if self.scale == 1.0 else loss * self.scale
 
 
 def _torch_target(target: Any, n: int, device: torch.device) -> tuple[Any, bool]:
@@ -213,7 +218,7 @@ def _schedule(spec: TorchStepSpec, stages: list[Any], loss: Callable[..., torch.
     from torch.distributed.pipelining import schedules
 
     cls = getattr(schedules, spec.torch_class)
-    options: dict[str, Any] = {"n_microbatches": spec.n_microbatches, "loss_fn": loss, "scale_grads": True,
+    options: dict[str, Any] = {"n_microbatches": spec.n_microbatches, "loss_fn": loss, "scale_grads": spec.scale_grads,
                                "args_chunk_spec": chunk_specs[0], "kwargs_chunk_spec": chunk_specs[1]}
     return cls(stages[0], **options) if issubclass(cls, schedules.PipelineScheduleSingle) else cls(stages, **options)
 
@@ -248,6 +253,7 @@ class _Prepared:
     n_stages: int
     named_inputs: dict[str, Any]  # the model's inputs by parameter name, as given to torch's step
     recorder: Boundaries | None = None
+    loss: _LossOfMicrobatch | None = None
 
 
 AliasTable = tuple[dict[str, str], dict[int, str]]
@@ -327,7 +333,7 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
             instrument_torch_stage(stage.submod, stage.stage_index, recorder)
             pause_for_metadata_probes(stage, recorder)
     return _Prepared(stages, schedule, spec.out_spec, torch_target, tuple(args), dict(kwargs), names, by_id,
-                     buffer_names, pipe.num_stages, named_inputs, recorder)
+                     buffer_names, pipe.num_stages, named_inputs, recorder, loss)
 
 
 def _leaf_paths(out_spec: pytree.TreeSpec) -> list[str]:
