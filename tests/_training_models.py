@@ -195,3 +195,101 @@ def _shards(batch: tuple, d: int) -> list[tuple]:  # type: ignore[type-arg]
     if d == 1:
         return [batch]
     return pc.split_microbatches(batch, d)
+
+
+class DropoutNet(nn.Module):
+    """Dropout on both stages, a channel dropout, and activation checkpointing around one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(8, 16)
+        self.d0 = nn.Dropout(0.3)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.4), nn.Tanh())
+        self.d1 = nn.Dropout1d(0.2)
+        self.l2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.d0(torch.tanh(self.l0(x)))
+        h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+        pc.pipe_split()
+        return self.l2(self.d1(h.unsqueeze(-1)).squeeze(-1))
+
+
+def make_dropout_net() -> DropoutNet:
+    torch.manual_seed(0)
+    return DropoutNet()
+
+
+class FreshRecompute:
+    """An engine that recomputes each non-last stage's forward for its backward (activation recomputation)
+    and, the bug, draws fresh dropout masks there: its outputs and loss are right, its gradients not."""
+
+    __name__ = "fresh-recompute"
+    follows_random_contract = True
+
+    def __call__(self, job: pc.Job) -> pc.StepResult:
+        raise NotImplementedError
+
+    def train(self, job: pc.Job) -> list[pc.StepResult]:
+        import dataclasses
+
+        # private: the contract's own contexts, to plant the engine's bug
+        from pipecheck._runtime.randomness import follow, microbatch, schedule_step
+
+        class Recomputing(pc.DetachExecutor):
+            def backward_microbatch(self, mb, forwards, *rest):  # type: ignore[no-untyped-def]
+                with microbatch(mb + 1000):  # the bug: not the forward's key
+                    forwards = [dataclasses.replace(fwd, outputs=tuple(stage.module(*fwd.inputs)))
+                                if stage.index < len(forwards) - 1 else fwd
+                                for stage, fwd in zip(self.pipe.stages, forwards)]
+                return super().backward_microbatch(mb, forwards, *rest)
+
+        pipe = job.split()
+        for stage in pipe.stages:
+            follow(stage.module, job.training.dropout)
+        results = []
+        for t, batches in enumerate(job.optimizer_steps()):
+            reduction = Reduction.of(job.training.loss_reduction, [b.target for b in batches], job.n_microbatches)
+            for a, batch in enumerate(batches):
+                with schedule_step(job.training.random_seed or 0, t, a):
+                    results.append(Recomputing(pipe).step(batch.args, batch.kwargs, loss_fn=job.loss_fn,
+                                                          target=batch.target, n_microbatches=job.n_microbatches,
+                                                          reduction=reduction))
+        return results
+
+
+class GainBeforeBatchNorm(nn.Module):
+    """A scalar gain before BatchNorm: its true gradient cancels to rounding noise (scale invariance), and
+    after the first optimizer step every correct engine's noise there is its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.s = nn.Parameter(torch.ones(()))
+        self.bn = nn.BatchNorm1d(16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.s * self.a(x))
+        pc.pipe_split()
+        return self.b(torch.tanh(h))
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def lbfgs(params):  # type: ignore[no-untyped-def]
+    return torch.optim.LBFGS(params)
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        h = self.a(x)
+        pc.pipe_split()
+        return self.b(torch.tanh(h))

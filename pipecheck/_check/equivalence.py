@@ -35,7 +35,7 @@ from pipecheck._check.eager import (
 from pipecheck._check.localise import ReferenceByMicrobatch, locate, not_located
 from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_tolerance
 from pipecheck._check.report import Report, percent
-from pipecheck._check.training import check_training, refuse_one_call
+from pipecheck._check.training import check_training, refuse_one_call, with_dropout
 from pipecheck._check.truth64 import float64_truth
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, OptimizerFactory, Training
@@ -48,6 +48,7 @@ from pipecheck._split.pipe import split_module
 from pipecheck._split.trace import check_tracer
 from pipecheck._split.traced import SplitSpec
 from pipecheck._world.spawn import refuse_unguarded_main
+from pipecheck._world.world import pickle_problem
 from pipecheck.errors import (
     EngineError,
     EquivalenceError,
@@ -118,6 +119,7 @@ def assert_equivalent(
     n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout = map(
         plain, (n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout))
     runner_name, run = resolve_runner(runner)
+    _refuse_untravelled(runner, training)
     if not training.plain or given_batches:
         refuse_one_call(run, runner_name, training)  # before any work
     with _ONE_CHECK_AT_A_TIME:
@@ -164,6 +166,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     check_split = getattr(run, "check_split", None)
     if check_split is not None:  # a runner's refusal of this split, before any eager work
         check_split(pipe)
+    training = with_dropout(training, built, pipe, run, runner_name, seed)  # dropout: pipecheck draws the masks
     if not training.plain or given_batches:
         job = Job(model=factory, args=inputs.args, kwargs=inputs.kwargs, split_spec=split_spec, policy=policy,
                   tracer=tracer, loss_fn=loss_fn, target=inputs.target, n_microbatches=n_microbatches,
@@ -218,6 +221,19 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         report.timings["locate_s"] = timings["locate_s"]
         raise EquivalenceError(report.failure_text(), report)
     return report
+
+
+def _refuse_untravelled(runner: Any, training: Training) -> None:
+    """An optimizer that cannot travel to a World's ranks, refused before any eager work."""
+    entry = runner_named(runner)
+    if entry is None or not entry.on_world or training.optimizer is None:
+        return
+    problem = pickle_problem(training.optimizer)
+    if problem is not None:
+        name = getattr(training.optimizer, "__qualname__", type(training.optimizer).__name__)
+        raise InputError(f"optimizer {name!r} cannot be pickled to send it to the ranks of runner {str(runner)!r} "
+                         f"({type(problem).__name__}: {problem}). Fix: define it as a top-level function of an "
+                         "importable module, e.g. def sgd(params): return torch.optim.SGD(params, lr=0.1).")
 
 
 def _judge_blind(report: Report, tolerance: ToleranceLike) -> None:

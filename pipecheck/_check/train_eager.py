@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -27,8 +27,10 @@ from pipecheck._check.eager import _call, _detached, _gradients
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, Training
 from pipecheck._runtime.optimizer import build_optimizer
-from pipecheck._split.inputs import Inputs, cast_inputs, cast_module, prepare_inputs
-from pipecheck._split.microbatch import merge_microbatches, split_microbatches
+from pipecheck._runtime.randomness import follow, microbatch, schedule_step
+from pipecheck._split.inputs import Inputs, _copied, cast_inputs, cast_module, prepare_inputs
+from pipecheck._split.microbatch import merge_microbatches, shard_batch, split_microbatches
+from pipecheck.errors import InputError
 from pipecheck.losses import LossFn, MicrobatchLoss, Reduction, projection_loss, projection_target
 
 
@@ -45,9 +47,14 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
                 ) -> tuple[list[StepResult], list[Any]]:
     """``training.steps`` optimizer steps of ``model`` itself (trained in place: pass a copy).
 
-    ``targets``: each batch's target (the fp32 run's, cast); None: the batches' own, the projection's
-    weights where there is no ``loss_fn``. ``perturb(step, name, grad)``: added to each gradient the
-    optimizer gets (not to the one reported). Returns one result per optimizer step and the targets used."""
+    ``n_microbatches`` per data-parallel replica: each batch is cut into ``training.data_parallel``
+    shards, each shard into its micro-batches, as the runners cut it (replica r's j-th micro-batch is
+    the (r * n + j)-th). ``targets``: each batch's target (the fp32 run's, cast); None: the batches' own,
+    the projection's weights where there is no ``loss_fn``. ``perturb(step, name, grad)``: added to each
+    gradient the optimizer gets (not to the one reported). Returns one result per optimizer step and
+    the targets used."""
+    follow(model, training.dropout)  # a private copy: its dropout draws by pipecheck's contract
+    seed = training.random_seed
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(training.optimizer, [p for _, p in params]) if training.optimizer else None
     g = training.accumulation_steps
@@ -57,25 +64,40 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
         group = range(t * g, (t + 1) * g)
         sums: list[torch.Tensor | None] = [None] * len(params)
         outputs, losses = [], []
-        forwards = {i: _forward(model, batches[i], n_microbatches, training.loss_reduction != "mean") for i in group}
+        forwards = {}
+        uneven = training.loss_reduction != "mean"
+        d = training.data_parallel
+        for i in group:
+            with schedule_step(seed, t, i - t * g) if seed is not None else nullcontext():
+                forwards[i] = _forward(model, batches[i].unspoiled(), n_microbatches, d, uneven)
         for i in group:
             if used[i] is None:
                 used[i] = batches[i].target if loss_fn is not None else projection_target(
                     merge_microbatches(_detached(forwards[i])))
-        reduction = Reduction.of(training.loss_reduction, [used[i] for i in group], n_microbatches,
+        reduction = Reduction.of(training.loss_reduction, [used[i] for i in group], n_microbatches * d,
                                  training.ignore_index)
         for i in group:
             mb_outputs = forwards.pop(i)
-            loss_of = MicrobatchLoss(loss_fn or projection_loss, used[i], n_microbatches, reduction)
-            total = torch.stack([loss_of(mb, out) for mb, out in enumerate(mb_outputs)]).sum() * reduction.weight
-            if params and total.requires_grad:
-                for k, grad in enumerate(_gradients(model, total, [p for _, p in params])):
+            losses_of = [MicrobatchLoss(loss_fn or projection_loss, shard, n_microbatches, reduction)
+                         for shard in shard_batch(used[i], d, uneven, "target")]
+            mb_losses = [losses_of[mb // n_microbatches](mb % n_microbatches, out) for mb, out in enumerate(mb_outputs)]
+            total = torch.stack(mb_losses).sum() * reduction.weight
+            # With dropout drawn by pipecheck's contract, each micro-batch's backward runs as its own (a
+            # recompute of activation checkpointing then draws the forward's masks); else one backward.
+            backwards = [(mb, loss * reduction.weight) for mb, loss in enumerate(mb_losses)] if seed is not None \
+                else [(0, total)]
+            for mb, loss in backwards:
+                if not (params and loss.requires_grad):
+                    continue
+                with (schedule_step(seed, t, i - t * g) if seed is not None else nullcontext()), microbatch(mb):
+                    got = _gradients(model, loss, [p for _, p in params])
+                for k, grad in enumerate(got):
                     total_k = sums[k]
                     if grad is not None:
                         sums[k] = grad if total_k is None else total_k + grad
             outputs.append(merge_microbatches(_detached(mb_outputs)))
             losses.append(total.detach())
-            del mb_outputs, total
+            del mb_outputs, mb_losses, total, backwards
         grads = {name: grad for (name, _), grad in zip(params, sums) if grad is not None}
         if optimizer is not None:
             for (name, param), grad in zip(params, sums):
@@ -84,7 +106,12 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
                     param.grad += perturb(t, name, param.grad)
             if training.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_([p for _, p in params], training.clip_grad_norm)
-            optimizer.step()
+            try:
+                optimizer.step()
+            except TypeError as err:  # LBFGS: a step that needs a closure
+                raise InputError(f"optimizer {type(optimizer).__name__}.step() failed ({err}): pipecheck steps "
+                                 "each optimizer once per optimizer step, without a closure. Fix: an optimizer "
+                                 "whose step takes none (SGD, Adam, AdamW, ...).") from None
             optimizer.zero_grad(set_to_none=True)
         results.append(StepResult(
             outputs[0] if g == 1 else tuple(outputs), torch.stack(losses).sum(), grads,
@@ -93,12 +120,17 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
     return results, used
 
 
-def _forward(model: nn.Module, inputs: Inputs, n_microbatches: int, uneven: bool) -> list[Any]:
-    """One batch's micro-batches run forward, their graphs kept for the backward."""
+def _forward(model: nn.Module, inputs: Inputs, n_microbatches: int, data_parallel: int, uneven: bool) -> list[Any]:
+    """One batch's micro-batches run forward (their graphs kept for the backward): each data-parallel
+    shard's in turn, numbered across the shards."""
     bound = inputs.signature.bind(*inputs.args, **inputs.kwargs)
-    calls = [inspect.BoundArguments(bound.signature, chunk)
-             for chunk in split_microbatches(dict(bound.arguments), n_microbatches, uneven=uneven)]
-    return [_call(model, call, n_microbatches, whole=bound) for call in calls]
+    outputs = []
+    for r, shard in enumerate(shard_batch(dict(bound.arguments), data_parallel, uneven)):
+        for j, chunk in enumerate(split_microbatches(shard, n_microbatches, uneven=uneven)):
+            with microbatch(r * n_microbatches + j):
+                outputs.append(_call(model, inspect.BoundArguments(bound.signature, chunk), n_microbatches,
+                                     whole=bound))
+    return outputs
 
 
 def float64_copy(model: nn.Module) -> nn.Module:
@@ -110,6 +142,6 @@ def float64_batches(batches: list[Inputs], targets: list[Any]) -> tuple[list[Inp
     """The batches and targets with their floating tensors in float64 (copies)."""
     cast = []
     for inputs in batches:
-        args, kwargs, target = inputs.to64()
-        cast.append(replace(inputs, args=args, kwargs=kwargs, target=target, source=(args, kwargs, target)))
+        source = inputs.unspoiled().to64()  # never the copy eager wrote into; a copy each run can take again
+        cast.append(_copied(source, inputs.signature, torch.float64, None))
     return cast, [cast_inputs(target, torch.float64, None, copy=True) for target in targets]

@@ -38,6 +38,13 @@ from pipecheck._check.train_eager import (
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, Training
 from pipecheck._runners.job import Job
+from pipecheck._runtime.randomness import (
+    active_dropout,
+    follow,
+    microbatch,
+    restart_calls,
+    schedule_step,
+)
 from pipecheck._split.inputs import Inputs
 from pipecheck._split.model_factory import seeded
 from pipecheck._split.pipe import Pipe
@@ -58,6 +65,37 @@ def refuse_one_call(run: Any, runner_name: str, training: Training) -> Callable[
                      "runner='distributed', or give your runner a train method (docs/training.md).")
 
 
+def with_dropout(training: Training, model: torch.nn.Module, pipe: Pipe, run: Any, runner_name: str,
+                 seed: int) -> Training:
+    """``training`` with the model's dropout drawn by pipecheck's randomness contract, or an InputError
+    saying why it cannot be (before any eager work); ``training`` itself when the model draws nothing."""
+    dropout, _ = active_dropout(model)
+    if not dropout:
+        return training
+    named = ", ".join(dropout[:4]) + (f" and {len(dropout) - 4} more" if len(dropout) > 4 else "")
+    what = f"{type(model).__name__} has dropout in train mode ({named})"
+    if not getattr(run, "follows_random_contract", False):
+        raise InputError(f"{what}, and runner {runner_name!r} draws its own masks, which no check can line up with "
+                         "eager's. Fix: check the model in eval mode (model.eval()), or with runner='reference' or "
+                         "runner='distributed', which draw every mask by pipecheck's randomness contract "
+                         "(docs/training.md#randomness).")
+    if pipe.tracer != "fx":
+        raise InputError(f"{what}, and torch.export traced it, which inlines a dropout module into its ops: "
+                         "pipecheck's randomness contract keys each mask by the module. Fix: tracer='fx', or "
+                         "model.eval().")
+    stages: dict[str, set[int]] = {}
+    for stage in pipe.stages:
+        for node in stage.module.graph.nodes:
+            if node.op == "call_module" and node.target in dropout:
+                stages.setdefault(str(node.target), set()).add(stage.index)
+    problems = [f"{fqn} is called on stages {sorted(found)}" for fqn, found in stages.items() if len(found) > 1]
+    problems += [f"{fqn} is not a module call in the split (traced through)" for fqn in dropout if fqn not in stages]
+    if problems:
+        raise InputError(f"{what}, and pipecheck's randomness contract needs each dropout module called on one "
+                         f"stage as a module: {'; '.join(problems)}. Fix: a dropout module per use, or model.eval().")
+    return dataclasses.replace(training, dropout=tuple(dropout), random_seed=seed)
+
+
 def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module, inputs: Inputs,
                    tolerance: ToleranceLike, check_grads: bool, seed: int,
                    clock: Callable[[str], AbstractContextManager[None]], dtype: torch.dtype | None = None,
@@ -66,9 +104,18 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
     train = refuse_one_call(run, runner_name, job.training)
     pipe = job.structure()
     with clock("eager_s"):
-        batches = prepared_batches(built, job.schedule_batches(), dtype, device)
+        given = list(job.batches) or [Batch(*inputs.source)] * job.training.schedule_steps  # the caller's own
+        batches = prepared_batches(built, given, dtype, device)  # tensors, read only: never a copy a run wrote into
+        check_batch_sizes(batches, job)
         uneven = job.training.loss_reduction != "mean"  # its micro-batches may differ in size: probe them whole
-        check_deterministic(built, inputs, 1 if uneven else job.n_microbatches * job.training.data_parallel, seed)
+        probed = built
+        if job.training.dropout:  # a copy whose dropout draws by the contract: any other randomness shows
+            probed = copy.deepcopy(built)
+            follow(probed, job.training.dropout)
+            probed.register_forward_pre_hook(restart_calls)  # each probing forward draws the same masks
+        with schedule_step(seed, 0, 0), microbatch(0):
+            check_deterministic(probed, inputs, 1 if uneven else job.n_microbatches * job.training.data_parallel, seed)
+        del probed
         eager, truth, targets, drift = eager_runs(built, batches, job, seed)
     job = dataclasses.replace(job, loss_fn=job.loss_fn or projection_loss, target=targets[0],
                               batches=training_batches(batches, targets))
@@ -81,6 +128,9 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
     notes = [note for result in results[:1] for note in result.notes]
     if job.training.data_parallel > 1 and eager[0].buffers:
         notes.append("buffers were not compared: each data-parallel replica updates its own from its shard")
+    if job.training.data_parallel > 1 and not any(result.dp_params or result.dp_grads for result in results):
+        notes.append(f"the runner reported no copy of data-parallel replicas 1 to {job.training.data_parallel - 1} "
+                     "(StepResult.dp_grads, dp_params): only replica 0's gradients and parameters were compared")
     report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
                     str(out_dtype).replace("torch.", ""), job.n_microbatches, pipe.num_stages, {}, notes, pipe.tracer,
                     training=job.training.describe())
@@ -91,9 +141,9 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
 def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: int
                ) -> tuple[list[StepResult], list[StepResult], list[Any], list[StepResult | None]]:
     """Eager trained in its dtype, the float64 truth trained the same way, each batch's target, and
-    per step how far a correct engine may drift from the truth through the optimizer (see :func:`_drift`)."""
+    per step how far a correct engine may drift from eager through the optimizer (see :func:`_perturbation`)."""
     model = copy.deepcopy(built)  # the split's stages share ``built``'s parameters: train copies only
-    n = job.n_microbatches * job.training.data_parallel  # eager runs every replica's micro-batches, in order
+    n = job.n_microbatches  # per replica: eager cuts each batch into the replicas' shards, as the runners do
     with seeded(seed):
         eager, targets = train_eager(model, batches, job.training, job.loss_fn, n)
     del model
@@ -105,11 +155,30 @@ def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: in
                                n, targets=targets64)
     drift: list[StepResult | None] = [None] * len(truth)
     if job.training.optimizer is not None and len(truth) > 0:
-        with seeded(seed):
-            moved, _ = train_eager(float64_copy(built), batches64, job.training, job.loss_fn or projection_loss, n,
-                                   targets=targets64, perturb=_perturbation(eager, truth, seed))
-        drift = [_difference(a, b) for a, b in zip(moved, truth)]
+        for draw in range(DRIFT_RUNS):  # eager again in its dtype, on gradients moved by its own error
+            with seeded(seed):
+                moved, _ = train_eager(copy.deepcopy(built), batches, job.training, job.loss_fn or projection_loss,
+                                       n, targets=targets, perturb=_perturbation(eager, truth, seed + 1 + draw))
+            drift = [_larger(old, _difference(a, b)) for old, a, b in zip(drift, moved, eager)]
     return eager, truth, targets, drift
+
+
+DRIFT_RUNS = 2  # a correct engine's drift, sampled twice: one sample can be small by chance
+DRIFT_SCALE = 2.0  # gradients moved by twice eager's own error: a correct engine's rounding is not eager's
+
+
+def _larger(a: StepResult | None, b: StepResult) -> StepResult:
+    """Value by value the larger of two drifts."""
+    if a is None:
+        return b
+
+    def larger(x: Any, y: Any) -> Any:
+        return torch.maximum(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) \
+            and x.shape == y.shape else (x if x is not None else y)
+    return StepResult(pytree.tree_map(larger, a.outputs, b.outputs), larger(a.loss, b.loss),
+                      {k: larger(v, b.grads.get(k)) for k, v in a.grads.items()},
+                      buffers={k: larger(v, b.buffers.get(k)) for k, v in a.buffers.items()},
+                      params={k: larger(v, b.params.get(k)) for k, v in a.params.items()})
 
 
 def _perturbation(eager: list[StepResult], truth: list[StepResult], seed: int
@@ -117,17 +186,18 @@ def _perturbation(eager: list[StepResult], truth: list[StepResult], seed: int
     """Gradients moved, element by element with random signs, by as much as eager's own are off the truth
     there.
 
-    An optimizer can amplify a gradient's rounding: Adam's update of an element whose gradient is near
-    zero turns on its sign. A correct engine's gradients are off the truth by about what eager's are,
-    on other elements; the truth trained again on gradients moved that much shows how far the
-    parameters (and every later value) of such an engine may drift, element by element (``_drift``)."""
+    After the first optimizer step a correct engine's parameters differ from eager's by rounding, and
+    every later value re-rolls its own rounding from there; an optimizer can also amplify a gradient's
+    rounding (Adam's update of an element whose gradient is near zero turns on its sign). Eager
+    trained again, in its own dtype, on gradients moved that much shows how far such an engine may
+    drift from eager, value by value: the auto tolerance adds it (``DRIFT_RUNS`` samples, the larger)."""
     generator = torch.Generator().manual_seed(seed)
 
     def perturb(step: int, name: str, grad: torch.Tensor) -> torch.Tensor:
         own, true = eager[step].grads.get(name), truth[step].grads.get(name)
         if own is None or true is None:
             return torch.zeros_like(grad)
-        size = (own.double() - true.to(own.device)).abs().to(grad)
+        size = DRIFT_SCALE * (own.double() - true.to(own.device)).abs().to(grad)
         signs = torch.randint(0, 2, grad.shape, generator=generator, dtype=torch.int8).to(grad.device) * 2 - 1
         return signs.to(grad) * size
     return perturb
@@ -163,7 +233,24 @@ def runner_steps(train: Callable[[Job], Any], runner_name: str, job: Job) -> lis
 
 
 def training_batches(batches: Sequence[Inputs], targets: Sequence[Any]) -> tuple[Batch, ...]:
-    return tuple(Batch(b.args, dict(b.kwargs), target) for b, target in zip(batches, targets))
+    """The runner's batches: copies eager never wrote into (a forward may write into its input)."""
+    fresh = [b.unspoiled() for b in batches]
+    return tuple(Batch(b.args, dict(b.kwargs), target) for b, target in zip(fresh, targets))
+
+
+def check_batch_sizes(batches: Sequence[Inputs], job: Job) -> None:
+    """Under the mean convention every micro-batch of every replica holds as many samples: say which
+    batch does not divide, in the user's own numbers (not the product the splitting sees)."""
+    n, d = job.n_microbatches, job.training.data_parallel
+    if job.training.loss_reduction != "mean" or d == 1:
+        return
+    for i, inputs in enumerate(batches):
+        for leaf in pytree.tree_leaves((inputs.args, inputs.kwargs)):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] % (n * d):
+                raise InputError(f"batch {i} has batch size {leaf.shape[0]} on dim 0, which data_parallel={d} "
+                                 f"replicas of n_microbatches={n} cannot share equally, as the mean of micro-batch "
+                                 f"losses needs. Fix: a batch size that is a multiple of {n * d}, or "
+                                 "loss_reduction='sum' / 'token_mean', which weigh micro-batches of any size.")
 
 
 def compare_steps(pipe: Pipe, job: Job, results: list[StepResult], eager: list[StepResult],
@@ -220,8 +307,12 @@ def _step_rows(pipe: Pipe, job: Job, prefix: str, result: StepResult, eager: Ste
         drifted = drift_outputs[a * len(leaves):(a + 1) * len(leaves)] if g > 1 else drift_outputs
         for i, ((path, leaf), true) in enumerate(zip(leaves, pytree.tree_leaves(true_outputs))):
             name = output_name(path)
-            rows.append(compare(prefix + name + suffix, got.get(name), leaf, true, tolerance, last, kind="outputs",
-                                truth_error=drifted[i] if i < len(drifted) else None))
+            row = compare(prefix + name + suffix, got.get(name), leaf, true, tolerance, last, kind="outputs",
+                          truth_error=drifted[i] if i < len(drifted) else None)
+            if tested is None:  # accumulating: the runner's outputs are not one per schedule step
+                row = dataclasses.replace(row, note=f"missing: with accumulation_steps={g} a runner returns its "
+                                                    f"outputs as a tuple of {g}, one per schedule step")
+            rows.append(row)
     rows.append(compare(prefix + "loss", result.loss, eager.loss, truth.loss, tolerance, last, kind="loss",
                         truth_error=drift.loss))
     if check_grads:
@@ -282,6 +373,13 @@ def _hint_step(t: int, rows: list[Row], results: list[StepResult], truth: list[S
     """Hints on the first failing step's rows (computed only on failure, never changing a verdict)."""
     grads_fail = [row for row in rows if row.kind == "grads" and not row.ok and "(replica" not in row.name]
     params_fail = [row for row in rows if row.kind == "params" and not row.ok]
+    forward_fails = any(not row.ok for row in rows if row.kind in ("outputs", "loss"))
+    if job.training.dropout and grads_fail and not forward_fails:
+        hints[grads_fail[0].name] = (
+            f"outputs and loss match and gradients do not, in a model whose dropout masks pipecheck draws "
+            f"({', '.join(job.training.dropout)}): a backward that recomputes a forward with fresh masks "
+            "(activation recomputation that does not draw the forward's) gives this")
+        return
     for row in grads_fail:
         fqn = row.name.split("grad ", 1)[1]
         test = results[t].grads.get(fqn)

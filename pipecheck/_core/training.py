@@ -49,6 +49,10 @@ class Training:
     loss_reduction: str = "mean"
     ignore_index: int = -100
     data_parallel: int = 1  # pipeline replicas, each on its shard of every batch, gradients summed across them
+    # Dropout modules that draw by pipecheck's randomness contract (pipecheck._runtime.randomness), keyed by
+    # this seed; () and None: the model draws nothing.
+    dropout: tuple[str, ...] = ()
+    random_seed: int | None = None
 
     @property
     def schedule_steps(self) -> int:
@@ -57,7 +61,7 @@ class Training:
 
     @property
     def plain(self) -> bool:
-        """Whether this is one step of the mean loss with no optimizer: a one-call runner's job."""
+        """Whether this is one step of the mean loss with no optimizer nor dropout: a one-call runner's job."""
         return self == Training()
 
     def describe(self) -> str:
@@ -72,6 +76,8 @@ class Training:
         parts.append(f"loss {self.loss_reduction}")
         if self.data_parallel > 1:
             parts.append(f"{self.data_parallel} data-parallel replicas")
+        if self.dropout:
+            parts.append(f"dropout by pipecheck's contract in {len(self.dropout)} module{'s' if len(self.dropout) != 1 else ''}")
         return ", ".join(parts)
 
 

@@ -220,11 +220,11 @@ def training_arguments(caller: str, *, steps: Any = 1, accumulation_steps: Any =
     _positive_int("data_parallel", data_parallel, problems)
     if optimizer is not None and not callable(optimizer):
         problems.append(f"optimizer={_shown(optimizer)} is not a factory. Fix: pass a function of the parameters, "
-                        "e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1).")
+                        "e.g. a top-level def sgd(params): return torch.optim.SGD(params, lr=0.1) and optimizer=sgd (a lambda cannot travel to a World's ranks).")
     if isinstance(optimizer, torch.optim.Optimizer):
         problems[-1] = ("optimizer= is an optimizer already built over some parameters; pipecheck builds one "
                         "over each engine's own copy. Fix: pass a factory, e.g. optimizer=lambda params: "
-                        f"torch.optim.{type(optimizer).__name__}(params, lr=...).")
+                        f"torch.optim.{type(optimizer).__name__}(params, lr=...) (top-level, to travel to a World's ranks).")
     if clip_grad_norm is not None:
         if _is_bool(clip_grad_norm) or not isinstance(clip_grad_norm, numbers.Real) or not (
                 math.isfinite(clip_grad_norm) and float(clip_grad_norm) > 0):
@@ -232,7 +232,7 @@ def training_arguments(caller: str, *, steps: Any = 1, accumulation_steps: Any =
                             "gradient 2-norm). Fix: e.g. clip_grad_norm=1.0.")
         elif optimizer is None:
             problems.append("clip_grad_norm was given without optimizer: clipping is part of the optimizer step. "
-                            "Fix: pass optimizer=lambda params: torch.optim.SGD(params, lr=0.1) too.")
+                            "Fix: pass a top-level def sgd(params): return torch.optim.SGD(params, lr=0.1) and optimizer=sgd (a lambda cannot travel to a World's ranks) too.")
     try:
         check_loss_reduction(loss_reduction)
     except InputError as err:

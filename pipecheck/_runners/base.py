@@ -130,6 +130,8 @@ def unpicklable_part(job: Job) -> TaskPickleError | None:
         ("split_spec", job.split_spec, "map module FQNs to pc.SplitPoint values"),
         ("policy", job.policy, f"use a policy from pc.policies, or one defined as {_TOP_LEVEL}"),
         ("schedule", job.schedule, "pass a schedule name or a pipecheck.schedules.Schedule"),
+        (f"optimizer {_name(job.training.optimizer)!r}", job.training.optimizer, f"define it as {_TOP_LEVEL}"),
+        *((f"batches[{i}]", batch, f"pass {_DATA}") for i, batch in enumerate(job.batches)),
     ]
     for what, value, fix in parts:
         error = pickle_problem(value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from pipecheck._runners.base import merge_stage_grads, run_engine, run_reference
 from pipecheck._runners.engine import EngineRunner
 from pipecheck._runners.job import Job
 from pipecheck._runtime.optimizer import StageOptimizer
+from pipecheck._runtime.randomness import follow, schedule_step
 from pipecheck._runtime.reference import DetachExecutor, weighted_loss
 from pipecheck._runtime.stage_step import add_param_grads
 from pipecheck._runtime.training import RankTraining, TrainSpec, rank_train
@@ -52,6 +54,10 @@ def train_reference(job: Job) -> list[StepResult]:
     stage in this process."""
     d = job.training.data_parallel
     pipes = [job.split() for _ in range(d)]
+    for pipe in pipes:
+        for held in pipe.stages:
+            follow(held.module, job.training.dropout)
+    seed = job.training.random_seed
     optimizers = [StageOptimizer(pipe.stages, job.training.optimizer) for pipe in pipes]
     weights = reductions(job)
     first_holder = {fqn: min(pipes[0].param_stages(fqn)) for s in pipes[0].stages for fqn in s.params}
@@ -72,8 +78,10 @@ def train_reference(job: Job) -> list[StepResult]:
             targets = shard_batch(batch.target, d, uneven, "target")
             replica_outputs = []
             for r, (pipe, (args, kwargs), target) in enumerate(zip(pipes, shards, targets)):
-                step = DetachExecutor(pipe).step(args, kwargs, loss_fn=job.loss_fn, target=target,
-                                                 n_microbatches=job.n_microbatches, reduction=weights[i])
+                g = job.training.accumulation_steps
+                with schedule_step(seed, i // g, i % g, r * job.n_microbatches) if seed is not None else nullcontext():
+                    step = DetachExecutor(pipe).step(args, kwargs, loss_fn=job.loss_fn, target=target,
+                                                     n_microbatches=job.n_microbatches, reduction=weights[i])
                 add_param_grads(grads[r], step.grads)
                 replica_outputs.append(step.outputs)
                 losses.append(step.loss if step.loss is not None else torch.zeros(()))
@@ -178,6 +186,7 @@ class ReferenceRunner:
     """The "reference" runner: one step (``runner(job)``) or a training loop (``runner.train(job)``)."""
 
     __name__ = "reference"
+    follows_random_contract = True  # its dropout masks are drawn by pipecheck._runtime.randomness
 
     def __call__(self, job: Job) -> StepResult:
         return run_reference(job)

@@ -91,6 +91,7 @@ class Links:
                           key=lambda c: (c[0], c[2], c[1]))
         self.channel_ids = {channel: i for i, channel in enumerate(channels)}
         self.layouts: dict[int, Layout] = {}  # received, by channel id; kept across steps
+        self.every_microbatch = False  # micro-batches of unequal size: layouts travel with each one
         self.sent_layouts: dict[int, Layout] = {}
         self.pending: list[Any] = []
 
@@ -124,8 +125,9 @@ class Links:
         posted.buffers.append(buffer)
 
     def _needs_layout(self, cid: int, known: dict[int, Layout]) -> bool:
-        """A layout travels on a channel's first use, and every time if the value has non-tensor leaves."""
-        return cid not in known or known[cid].resend
+        """A layout travels on a channel's first use, and every time if the value has non-tensor leaves
+        or the micro-batches differ in size (every rank of the step knows that alike)."""
+        return cid not in known or known[cid].resend or self.every_microbatch
 
     def send_value(self, producer: int, name: str, consumer: int, mb: int, value: Any) -> None:
         channel = (producer, name, consumer)

@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from pipecheck._core.result import RankReport
 from pipecheck._runtime.boundaries import Boundaries, instrument
 from pipecheck._runtime.comm import Channel, Links, Posted
+from pipecheck._runtime.randomness import microbatch
 from pipecheck._runtime.reference import sum_stage_grads
 from pipecheck._runtime.stage_step import (
     InputGradKey,
@@ -165,6 +166,9 @@ class StageExecutor:
             self.links.sent_layouts.clear()
         self._shapes = shapes
         self.inputs = split_microbatches(inputs, n, uneven=uneven)
+        sizes = {tuple(tuple(leaf.shape) for leaf in pytree.tree_leaves(mb) if isinstance(leaf, torch.Tensor))
+                 for mb in self.inputs}
+        self.links.every_microbatch = len(sizes) > 1  # unequal micro-batches: no layout can be reused
         self.loss_of = MicrobatchLoss(self.loss_fn, cast_inputs(target, None, self.ctx.device), n, reduction)
         self.loss_scale = 1.0 / n if reduction is None else reduction.weight
 
@@ -231,7 +235,8 @@ class StageExecutor:
                   else self.local_values[(src.stage, src.name, mb)] if self._mine(src.stage)
                   else received[(src.stage, src.name)] for src in stage.inputs]
         start = time.monotonic_ns()
-        fwd = stage_forward(stage, values)
+        with microbatch(mb):  # dropout masks by pipecheck's contract, where a training check asks
+            fwd = stage_forward(stage, values)
         self.forwards[(s, mb)] = fwd
         if s == self.pipe.num_stages - 1:
             self._loss(fwd, mb)
@@ -272,10 +277,12 @@ class StageExecutor:
         last = s == self.pipe.num_stages - 1
         loss = self.loss_values.pop(mb) if last else None
         if weights_later:  # the weight gradients wait for this micro-batch's W
-            in_grads, self.weights_pending[(s, mb)] = stage_backward_input(stage, fwd, out_grads, loss,
-                                                                           self.loss_scale)
+            with microbatch(mb):  # a recompute draws what the forward drew
+                in_grads, self.weights_pending[(s, mb)] = stage_backward_input(stage, fwd, out_grads, loss,
+                                                                               self.loss_scale)
         else:
-            in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss, self.loss_scale)
+            with microbatch(mb):
+                in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss, self.loss_scale)
             add_param_grads(self.result.stage_grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
         self._record("backward", f"{s}{kind}{mb}", start)
         sent: dict[tuple[int, str], tuple[Any, LeafGrads]] = {}

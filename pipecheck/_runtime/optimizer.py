@@ -77,5 +77,5 @@ def build_optimizer(factory: OptimizerFactory, parameters: list[torch.nn.Paramet
                          "torch.optim.SGD(params, lr=0.1).") from err
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InputError(f"optimizer={factory!r} returned {type(optimizer).__name__}, not a torch.optim.Optimizer. "
-                         "Fix: optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3).")
+                         "Fix: def adamw(params): return torch.optim.AdamW(params, lr=1e-3), and optimizer=adamw.")
     return optimizer

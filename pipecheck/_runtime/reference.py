@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecheck._core.result import StepResult
+from pipecheck._runtime.randomness import microbatch
 from pipecheck._runtime.stage_step import (
     InputGradKey,
     LeafGrads,
@@ -95,7 +96,10 @@ class DetachExecutor:
         inputs = split_microbatches(bound, n_microbatches, uneven=reduction is not None and reduction.uneven)
         loss_of = MicrobatchLoss(loss_fn, target, n_microbatches, reduction)
         scale = 1.0 / n_microbatches if reduction is None else reduction.weight
-        forwards = [self.forward_microbatch(mb) for mb in inputs]
+        forwards = []
+        for mb, values in enumerate(inputs):
+            with microbatch(mb):  # dropout masks by pipecheck's contract, where a training check asks
+                forwards.append(self.forward_microbatch(values))
         outputs = [pytree.tree_unflatten(list(f[-1].outputs), self.pipe.out_spec) for f in forwards]
         merged = merge_microbatches([pytree.tree_map(_detached, o) for o in outputs])
         losses = [loss_of(mb, out) for mb, out in enumerate(outputs)]
@@ -103,7 +107,8 @@ class DetachExecutor:
         input_grads: dict[InputGradKey, LeafGrads] = {}
         owned: list[set[str]] = [set() for _ in self.pipe.stages]
         for mb, (fwd, loss) in enumerate(zip(forwards, losses)):
-            self.backward_microbatch(mb, fwd, loss, scale, param_grads, owned, input_grads)
+            with microbatch(mb):  # a recompute draws what the forward drew
+                self.backward_microbatch(mb, fwd, loss, scale, param_grads, owned, input_grads)
         return StepResult(
             outputs=merged,
             loss=weighted_loss([loss.detach() for loss in losses], reduction),

@@ -15,6 +15,7 @@ the same update.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,9 @@ from pipecheck._core.result import RankReport
 from pipecheck._core.training import Batch, Training
 from pipecheck._runtime.executor import Replica, StageExecutor, StepSpec, to_host
 from pipecheck._runtime.optimizer import StageOptimizer
-from pipecheck._runtime.stage_step import add_param_grads
+from pipecheck._runtime.randomness import follow, schedule_step
+from pipecheck._runtime.stage_step import add_param_grads, trainable_params
+from pipecheck._split.pipe import Stage
 from pipecheck._world.worker import RankContext
 from pipecheck.losses import Reduction
 
@@ -82,6 +85,9 @@ def _groups(d: int, p: int) -> tuple[list[Any], list[Any]]:
 def _train(ctx: RankContext, spec: TrainSpec, replica: Replica, reducer: Any) -> RankTraining:
     executor = StageExecutor(ctx, spec.step, replica=replica)
     pipe = executor.pipe
+    seed = spec.training.random_seed
+    for held in pipe.stages:
+        follow(held.module, spec.training.dropout)
     mine = [stage for stage in pipe.stages if executor.stage_to_rank[stage.index] == ctx.rank]
     optimizer = StageOptimizer(mine, spec.training.optimizer)
     first_holder = {fqn: min(pipe.param_stages(fqn)) for stage in mine for fqn in stage.params}
@@ -93,14 +99,16 @@ def _train(ctx: RankContext, spec: TrainSpec, replica: Replica, reducer: Any) ->
         for i in range(t * g, (t + 1) * g):
             batch = spec.batches[i]
             executor.use_batch(batch.args, dict(batch.kwargs), batch.target, spec.reductions[i])
-            executor.step()
+            with schedule_step(seed or 0, t, i - t * g, replica.index * spec.step.schedule.n_microbatches) \
+                    if seed is not None else nullcontext():
+                executor.step()
             for stage, stage_grads in executor.result.stage_grads.items():
                 add_param_grads(grads.setdefault(stage, {}), {f: v.detach() for f, v in stage_grads.items()})
             report.outputs.append(executor.result.outputs)
             report.losses.append(executor.result.losses)
         if reducer is not None:
             ctx.action = "data-parallel all-reduce"
-            _sum_over_replicas(ctx, grads, reducer)
+            _sum_over_replicas(ctx, mine, grads, reducer)
         report.stage_grads = {stage: {fqn: v.clone() for fqn, v in by_fqn.items()} for stage, by_fqn in grads.items()}
         ctx.action = "optimizer step"
         optimizer.step(grads, spec.training.clip_grad_norm, lambda local: _sum_over(ctx, local, replica.group),
@@ -114,14 +122,19 @@ def _train(ctx: RankContext, spec: TrainSpec, replica: Replica, reducer: Any) ->
     return result
 
 
-def _sum_over_replicas(ctx: RankContext, grads: dict[int, dict[str, torch.Tensor]], group: Any) -> None:
-    """Every gradient summed over the data-parallel copies of its stage (in stage, then FQN order: the
-    same on every copy), in place of this rank's own."""
-    for stage in sorted(grads):
-        for fqn in sorted(grads[stage]):
-            buffer = grads[stage][fqn].detach().to(ctx.comm_device).clone()
+def _sum_over_replicas(ctx: RankContext, mine: list[Stage], grads: dict[int, dict[str, torch.Tensor]],
+                       group: Any) -> None:
+    """Every gradient summed over the data-parallel copies of its stage, in place of this rank's own: one
+    all-reduce per trainable parameter of each stage, in stage then FQN order (the same on every copy,
+    whatever gradients a replica's graph left out: a missing one counts as zeros)."""
+    for stage in sorted(mine, key=lambda held: held.index):
+        for fqn, param in sorted(trainable_params(stage)):
+            grad = grads.get(stage.index, {}).get(fqn)
+            buffer = torch.zeros(param.shape, dtype=param.dtype, device=ctx.comm_device)
+            if grad is not None:
+                buffer.copy_(grad.detach())
             dist.all_reduce(buffer, group=group)
-            grads[stage][fqn] = buffer.to(ctx.device)
+            grads.setdefault(stage.index, {})[fqn] = buffer.to(ctx.device)
 
 
 def _sum_over(ctx: RankContext, local: torch.Tensor, group: Any) -> torch.Tensor:

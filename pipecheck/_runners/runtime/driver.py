@@ -83,6 +83,7 @@ class DistributedRunner(EngineRunner):
     __name__ = "distributed"
     label = engine = ENGINE
     rank_step = staticmethod(rank_step)
+    follows_random_contract = True  # a training job's dropout masks are drawn by pipecheck._runtime.randomness
 
     def plan(self, job: Job, pipe: Pipe) -> StepSpec:
         return step_spec(job, plan_schedule(job, pipe), pipe.tracer)
