@@ -90,8 +90,8 @@ class PipelineCase:
                             f"split_spec; pass world_size * stages_per_rank == {self.num_stages}")
         if not (isinstance(self.n_microbatches, int) and self.n_microbatches >= 1
                 and self.spec.batch % (self.n_microbatches * self.data_parallel) == 0):
-            problems.append(f"n_microbatches={self.n_microbatches!r} x data_parallel={self.data_parallel!r} must "
-                            f"divide the batch of {self.spec.batch}")
+            times = f" x data_parallel={self.data_parallel!r}" if self.data_parallel != 1 else ""
+            problems.append(f"n_microbatches={self.n_microbatches!r}{times} must divide the batch of {self.spec.batch}")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             problems.append(f"optimizer={self.optimizer!r} is not one of {list(OPTIMIZERS)}")
         _raise_if_any("PipelineCase", problems)
