@@ -214,14 +214,19 @@ def _difference(moved: StepResult, truth: StepResult) -> StepResult:
                       params={k: diff(v, truth.params.get(k)) for k, v in moved.params.items()})
 
 
-def runner_steps(train: Callable[[Job], Any], runner_name: str, job: Job) -> list[StepResult]:
+def call_runner(call: Callable[[Job], Any], runner_name: str, job: Job, doing: str) -> Any:
+    """``call(job)``; an exception that is not pipecheck's own becomes an EngineError naming the runner."""
     try:
-        results = train(job)
+        return call(job)
     except PipecheckError:
         raise
     except Exception as err:
-        raise EngineError(f"runner {runner_name!r} failed to train: {type(err).__name__}: {err}",
+        raise EngineError(f"runner {runner_name!r} failed to {doing}: {type(err).__name__}: {err}",
                           engine=runner_name) from err
+
+
+def runner_steps(train: Callable[[Job], Any], runner_name: str, job: Job) -> list[StepResult]:
+    results = call_runner(train, runner_name, job, "train")
     results = list(results) if isinstance(results, (list, tuple)) else results
     steps = job.training.steps
     if not isinstance(results, list) or len(results) != steps or not all(isinstance(r, StepResult) for r in results):

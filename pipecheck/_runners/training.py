@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -27,9 +27,10 @@ from pipecheck._runtime.optimizer import StageOptimizer
 from pipecheck._runtime.randomness import follow, schedule_step
 from pipecheck._runtime.reference import DetachExecutor, weighted_loss
 from pipecheck._runtime.stage_step import add_param_grads
-from pipecheck._runtime.training import RankTraining, TrainSpec, rank_train
+from pipecheck._runtime.training import TrainSpec, rank_train
 from pipecheck._split.microbatch import merge_microbatches, shard_batch
 from pipecheck._split.pipe import Pipe
+from pipecheck._world.world import World
 from pipecheck.errors import InputError, plural
 from pipecheck.losses import Reduction
 
@@ -130,17 +131,25 @@ def train_distributed(runner: EngineRunner, job: Job) -> list[StepResult]:
                          f"{'the World has' if job.world is not None else 'world_size is'} {asked}. Fix: "
                          f"World({d * p}) / world_size={d * p}, or data_parallel={max(1, asked // p)}.")
     world = world_for(dataclasses.replace(job, world_size=None) if d > 1 else job, d * p, runner.label)
-    started = time.perf_counter()
-    reports: list[RankTraining] = run_engine(world, rank_train, spec, job,
-                                             lambda err: runner.world_failed(err, job, step))
-    ran = time.perf_counter() - started
-    runner.raise_reported(job, step, reports)
+    reports, ran = run_training(runner, world, job, rank_train, spec, step)
     g = job.training.accumulation_steps
     results = [_merge_step(pipe, [r.steps[t] for r in reports], job, weights[t * g:(t + 1) * g])
                for t in range(job.training.steps)]
     for result in results:
         result.timings["step_s"] = ran / len(results)
     return results
+
+
+def run_training(runner: EngineRunner, world: World, job: Job, rank_fn: Callable[..., Any], spec: Any,
+                 step: Any) -> tuple[list[Any], float]:
+    """Every rank's training loop on ``world`` in one job: their reports (a rank's own failure raised as
+    the runner's EngineError) and the seconds the ranks ran."""
+    runner.check_world(job, world)
+    started = time.perf_counter()
+    reports = run_engine(world, rank_fn, spec, job, lambda err: runner.world_failed(err, job, step))
+    ran = time.perf_counter() - started
+    runner.raise_reported(job, step, reports)
+    return reports, ran
 
 
 def _merge_step(pipe: Pipe, reports: Sequence[Any], job: Job, weights: Sequence[Reduction]) -> StepResult:

@@ -15,7 +15,6 @@ each replica steps on its own stage's share of the gradient: the check names the
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from pipecheck._core.result import RankReport, StepResult
 from pipecheck._core.training import Batch, Training
-from pipecheck._runners.base import merge_stage_grads, run_engine, world_for
+from pipecheck._runners.base import merge_stage_grads, world_for
 from pipecheck._runners.job import Job
 from pipecheck._runners.rank_side import buffers_by_fqn, grads_by_fqn, prepare_together
 from pipecheck._runners.torch_pipelining.rank import (
@@ -34,7 +33,7 @@ from pipecheck._runners.torch_pipelining.rank import (
     _torch_target,
     original_fqn,
 )
-from pipecheck._runners.training import reductions
+from pipecheck._runners.training import reductions, run_training
 from pipecheck._runtime.optimizer import build_optimizer
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import unwrap_replicated
@@ -138,12 +137,7 @@ def train_torch(runner: Any, job: Job) -> list[StepResult]:
     first_holder = {fqn: min(pipe.param_stages(fqn)) for stage in pipe.stages for fqn in stage.params}
     spec = TorchTrainSpec(step, tuple(batches), weights, job.training, first_holder)
     world = world_for(job, runner.n_ranks(job, pipe, step), runner.label)
-    runner.check_world(job, world)
-    started = time.perf_counter()
-    reports: list[TorchTraining] = run_engine(world, torch_rank_train, spec, job,
-                                              lambda err: runner.world_failed(err, job, step))
-    ran = time.perf_counter() - started
-    runner.raise_reported(job, step, reports)
+    reports, ran = run_training(runner, world, job, torch_rank_train, spec, step)
     g = job.training.accumulation_steps
     results = []
     for t in range(job.training.steps):
