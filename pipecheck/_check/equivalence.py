@@ -35,7 +35,7 @@ from pipecheck._check.eager import (
 from pipecheck._check.localise import ReferenceByMicrobatch, locate, not_located
 from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_tolerance
 from pipecheck._check.report import Report, percent
-from pipecheck._check.training import call_runner, check_training, refuse_one_call, with_dropout
+from pipecheck._check.training import check_training, refuse_one_call, with_dropout
 from pipecheck._check.truth64 import float64_truth
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, OptimizerFactory, Training
@@ -53,6 +53,7 @@ from pipecheck.errors import (
     EngineError,
     EquivalenceError,
     InputError,
+    PipecheckError,
     PowerError,
     TraceError,
     plural,
@@ -262,7 +263,13 @@ def _fresh(inputs: Any) -> dict[str, Any]:
 
 
 def _run(run: Runner, runner_name: str, job: Job) -> StepResult:
-    result = call_runner(run, runner_name, job, "run the job")
+    try:  # not through call_runner: a World's start-up error keeps its traceback short (tests/world/test_scripts.py)
+        result = run(job)
+    except PipecheckError:
+        raise
+    except Exception as err:
+        raise EngineError(f"runner {runner_name!r} failed to run the job: {type(err).__name__}: {err}",
+                          engine=runner_name) from err
     if not isinstance(result, StepResult):
         raise EngineError(f"runner {runner_name!r} returned {type(result).__name__}; a runner must return "
                           "pc.StepResult(outputs, loss, grads).", engine=runner_name)

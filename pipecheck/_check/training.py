@@ -1,12 +1,14 @@
 """A check that trains: every optimizer step of the runner's engine against eager trained the same way.
 
-    report = check_training(run, "distributed", job, built, batches, tolerance, seed)
+    report = check_training(run, "distributed", job, built, inputs, tolerance, check_grads, seed, clock)
 
 The eager model (in the check's dtype) and its float64 copy (the truth) train the same steps on the
 same batches. After every optimizer step the runner's loss, outputs, gradients before the optimizer,
-every parameter and every tied replica after it, and the buffers are compared with them, row by row,
-named ``step t: grad fc.weight`` (no prefix for a one-step check). Tolerance "auto" compares each step
-against eager's own error at that step, which grows over steps as the runner's may.
+every parameter and every tied or data-parallel copy after it, and the buffers are compared with them,
+row by row, named ``step t: grad fc.weight`` (no prefix for a one-step check). Tolerance "auto"
+holds each step to eager's own error at that step plus how far eager drifts when trained again on
+gradients moved by that error (:func:`_perturbation`): after the first step a correct engine's
+rounding is its own, and an optimizer can amplify it.
 
 On failure the report says where the runs part: the first optimizer step with a failing row, and the
 first kind of value there in the order a step computes them (outputs and loss, gradients, parameters,
