@@ -188,7 +188,10 @@ def test_training_checks_on_a_gpu() -> None:
     assert _check("reference", device="cuda").ok
     with pc.World(4, device="cuda") as world:
         report = _check("distributed", device="cuda", world=world, data_parallel=2, steps=2)
-    assert report.row("step 1: param emb.weight (dp rank 1, stage 1)").ok
+        assert report.row("step 1: param emb.weight (dp rank 1, stage 1)").ok
+        dropout = pc.assert_equivalent(make_dropout_net, (torch.randn(8, 8),), n_microbatches=2, device="cuda",
+                                       runner="distributed", world=world, steps=2, optimizer=sgd, data_parallel=2)
+    assert dropout.ok  # masks drawn on the CPU by the contract, moved to the GPU: the same as eager's
 
 
 class _Broken:
