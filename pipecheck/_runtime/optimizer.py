@@ -15,8 +15,10 @@ one stage ``counts`` names; ``norm_sum`` adds the squared norms of all processes
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipecheck._core.training import OptimizerFactory
 from pipecheck._runtime.stage_step import trainable_params
@@ -51,13 +53,7 @@ class StageOptimizer:
                 if grad is not None and counts(stage, fqn):
                     squares.append(torch.linalg.vector_norm(grad.detach()) ** 2)
         if clip_grad_norm is not None:
-            device = self.parameters[0].device if self.parameters else torch.device("cpu")
-            local = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
-            total = norm_sum(local).sqrt()
-            scale = (clip_grad_norm / (total + 1e-6)).clamp(max=1.0)
-            for param in self.parameters:
-                if param.grad is not None:
-                    param.grad.mul_(scale.to(param.grad.device, param.grad.dtype))
+            clip_by_norm(self.parameters, squares, clip_grad_norm, norm_sum)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -65,6 +61,28 @@ class StageOptimizer:
     def params_after(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every held parameter's value now, by stage and FQN (detached copies)."""
         return {stage: {fqn: p.detach().clone() for fqn, p in params} for stage, params in self.held.items()}
+
+
+def clip_by_norm(parameters: Sequence[torch.nn.Parameter], squares: Sequence[torch.Tensor], max_norm: float,
+                 norm_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> None:
+    """Scale every gradient of ``parameters`` by ``max_norm / (norm + 1e-6)``, at most 1, as
+    ``torch.nn.utils.clip_grad_norm_`` does; ``norm`` is the square root of ``squares`` (each counted
+    parameter's squared gradient norm) summed here and, through ``norm_sum``, over the other processes."""
+    device = parameters[0].device if parameters else torch.device("cpu")
+    local = torch.stack([square.to(device) for square in squares]).sum() if squares else torch.zeros((), device=device)
+    scale = (max_norm / (norm_sum(local).sqrt() + 1e-6)).clamp(max=1.0)
+    for param in parameters:
+        if param.grad is not None:
+            param.grad.mul_(scale.to(param.grad.device, param.grad.dtype))
+
+
+def summed_over(group: Any, comm_device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A ``norm_sum`` for :func:`clip_by_norm`: a scalar all-reduced (in float64) over ``group``."""
+    def total(local: torch.Tensor) -> torch.Tensor:
+        moved = local.detach().to(comm_device, torch.float64).reshape(1).clone()
+        dist.all_reduce(moved, group=group)
+        return moved.to(local.device, local.dtype).reshape(())
+    return total
 
 
 def build_optimizer(factory: OptimizerFactory, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

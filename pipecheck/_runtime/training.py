@@ -25,7 +25,7 @@ import torch.distributed as dist
 from pipecheck._core.result import RankReport
 from pipecheck._core.training import Batch, Training
 from pipecheck._runtime.executor import Replica, StageExecutor, StepSpec, to_host
-from pipecheck._runtime.optimizer import StageOptimizer
+from pipecheck._runtime.optimizer import StageOptimizer, summed_over
 from pipecheck._runtime.randomness import follow, schedule_step
 from pipecheck._runtime.stage_step import add_param_grads, trainable_params
 from pipecheck._split.pipe import Stage
@@ -111,7 +111,7 @@ def _train(ctx: RankContext, spec: TrainSpec, replica: Replica, reducer: Any) ->
             _sum_over_replicas(ctx, mine, grads, reducer)
         report.stage_grads = {stage: {fqn: v.clone() for fqn, v in by_fqn.items()} for stage, by_fqn in grads.items()}
         ctx.action = "optimizer step"
-        optimizer.step(grads, spec.training.clip_grad_norm, lambda local: _sum_over(ctx, local, replica.group),
+        optimizer.step(grads, spec.training.clip_grad_norm, summed_over(replica.group, ctx.comm_device),
                        lambda stage, fqn: first_holder.get(fqn) == stage)
         report.params = optimizer.params_after()
         report.buffers = executor.result.buffers
@@ -135,10 +135,3 @@ def _sum_over_replicas(ctx: RankContext, mine: list[Stage], grads: dict[int, dic
                 buffer.copy_(grad.detach())
             dist.all_reduce(buffer, group=group)
             grads.setdefault(stage.index, {})[fqn] = buffer.to(ctx.device)
-
-
-def _sum_over(ctx: RankContext, local: torch.Tensor, group: Any) -> torch.Tensor:
-    """``local`` summed over the ranks of one pipeline (the squared gradient norms, for clipping)."""
-    buffer = local.detach().to(ctx.comm_device, torch.float64).reshape(1).clone()
-    dist.all_reduce(buffer, group=group)
-    return buffer.to(local.device, local.dtype).reshape(())

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from pipecheck._core.result import RankReport, StepResult
 from pipecheck._core.training import Batch, Training
@@ -34,7 +33,7 @@ from pipecheck._runners.torch_pipelining.rank import (
     original_fqn,
 )
 from pipecheck._runners.training import reductions, run_training
-from pipecheck._runtime.optimizer import build_optimizer
+from pipecheck._runtime.optimizer import build_optimizer, clip_by_norm, summed_over
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import unwrap_replicated
 from pipecheck._world.worker import RankContext
@@ -110,16 +109,10 @@ def _clip(ctx: RankContext, held: list[tuple[Any, str | None, torch.nn.Parameter
     """Clip every gradient by the norm over all ranks (a replicated weight counted on its lowest stage)."""
     if spec.training.clip_grad_norm is None:
         return
-    squares = [param.grad.detach().double().pow(2).sum().cpu() for stage, fqn, param in held
+    squares = [torch.linalg.vector_norm(param.grad.detach()) ** 2 for stage, fqn, param in held
                if param.grad is not None and spec.first_holder.get(fqn or "") == stage.stage_index]
-    total = (torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)).reshape(1)
-    moved = total.to(ctx.comm_device)
-    dist.all_reduce(moved, group=ctx.group)
-    total = moved.cpu()
-    scale = min(1.0, spec.training.clip_grad_norm / (float(total.sqrt()) + 1e-6))
-    for param in {id(p): p for _, _, p in held}.values():
-        if param.grad is not None:
-            param.grad.mul_(scale)
+    clip_by_norm(list({id(p): p for _, _, p in held}.values()), squares, spec.training.clip_grad_norm,
+                 summed_over(ctx.group, ctx.comm_device))
 
 
 def train_torch(runner: Any, job: Job) -> list[StepResult]:
