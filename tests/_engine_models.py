@@ -336,3 +336,11 @@ class ShapeAcross(nn.Module):
         shape = h.size()
         pipe_split()
         return self.b(h).reshape(shape[0], 2, -1)
+
+
+class UnreducedReplicas(SplitModelSpec):
+    """runner="deepspeed" training with DeepSpeed's data-parallel all-reduce switched off
+    (``pipeline_enable_backward_allreduce``, the engine's own flag): each replica steps on its shard alone."""
+
+    def engine_built(self, engine: Any) -> None:
+        engine.pipeline_enable_backward_allreduce = False

@@ -293,3 +293,22 @@ class WritesItsInput(nn.Module):
         h = self.a(x)
         pc.pipe_split()
         return self.b(torch.tanh(h))
+
+
+class FrontLoaded(nn.Module):
+    """Every parameter on stage 0, stage 1 only computes: a gradient norm over stage 0 is the whole model's."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.l1 = nn.Linear(d, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(torch.tanh(self.emb(x)))
+        pc.pipe_split()
+        return torch.tanh(h) * 2.0
+
+
+def make_front_loaded() -> FrontLoaded:
+    torch.manual_seed(0)
+    return FrontLoaded()

@@ -39,7 +39,7 @@ def _expected(block: str) -> list[str]:
 
 
 def test_the_docs_have_an_example_per_engine() -> None:
-    assert sorted(extra for _, extra, _ in _engine_blocks()) == ["deepspeed", "megatron", "torchtitan"]
+    assert sorted({extra for _, extra, _ in _engine_blocks()}) == ["deepspeed", "megatron", "torchtitan"]
 
 
 @pytest.mark.parametrize("extra,block", [pytest.param(e, b, id=f"{page}:{e}") for page, e, b in _engine_blocks()])

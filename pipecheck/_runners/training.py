@@ -133,7 +133,7 @@ def train_distributed(runner: EngineRunner, job: Job) -> list[StepResult]:
     world = world_for(dataclasses.replace(job, world_size=None) if d > 1 else job, d * p, runner.label)
     reports, ran = run_training(runner, world, job, rank_train, spec, step)
     g = job.training.accumulation_steps
-    results = [_merge_step(pipe, [r.steps[t] for r in reports], job, weights[t * g:(t + 1) * g])
+    results = [merge_step(pipe, [r.steps[t] for r in reports], job, weights[t * g:(t + 1) * g])
                for t in range(job.training.steps)]
     for result in results:
         result.timings["step_s"] = ran / len(results)
@@ -152,7 +152,7 @@ def run_training(runner: EngineRunner, world: World, job: Job, rank_fn: Callable
     return reports, ran
 
 
-def _merge_step(pipe: Pipe, reports: Sequence[Any], job: Job, weights: Sequence[Reduction]) -> StepResult:
+def merge_step(pipe: Pipe, reports: Sequence[Any], job: Job, weights: Sequence[Reduction]) -> StepResult:
     d, n = job.training.data_parallel, job.n_microbatches
     outputs, loss = [], torch.zeros(())
     for a in range(job.training.accumulation_steps):

@@ -30,6 +30,7 @@ from pipecheck._runners.deepspeed.layers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ranks unpickle _engine_models by name
 import _engine_models as em  # noqa: E402
+import _training_models as tm  # noqa: E402
 
 N_MICROBATCHES = 4
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -281,6 +282,100 @@ def test_rank_resources_stay_flat_over_many_deepspeed_jobs(pipecheck_world: Any)
     for rank, (was, now) in enumerate(zip(before, after)):
         assert now["groups"] == was["groups"], f"rank {rank} leaks process groups: {was} -> {now}"
         assert now["threads"] <= was["threads"] + 2, f"rank {rank} leaks threads: {was} -> {now}"
+
+
+# --- training: one engine across optimizer steps, DeepSpeed's own data parallel ---------------------------
+
+TRAINING = dict(n_microbatches=N_MICROBATCHES, steps=3, accumulation_steps=2, optimizer=tm.adamw,
+                loss_fn=tm.token_ce, loss_reduction="token_mean", runner="deepspeed")
+
+
+def _train(world: pc.World, model: Any = tm.make_tied_lm, **options: Any) -> pc.Report:
+    x, y = tm.tokens(pad=3)
+    return pc.assert_equivalent(model, (x,), target=y, world=world, **{**TRAINING, **options})
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("reduction, loss_fn", [("token_mean", tm.token_ce), ("mean", tm.mean_ce),
+                                                ("sum", tm.mean_ce)])
+def test_deepspeed_trains_several_steps_with_accumulation_like_eager(pipecheck_world: Any, reduction: str,
+                                                                      loss_fn: Any) -> None:
+    report = _train(pipecheck_world(2), loss_reduction=reduction, loss_fn=loss_fn)
+    assert report.ok
+    names = {row.name for row in report.rows}
+    assert {"step 2: param emb.weight (replica in stage 1)", "step 2: grad l2.weight",
+            "step 0: output (schedule step 1 of 2)"} <= names
+
+
+@needs_deepspeed
+def test_deepspeeds_own_data_parallel_runs_pp2_by_dp2_on_a_world_of_four(pipecheck_world: Any) -> None:
+    report = _train(pipecheck_world(4), data_parallel=2, steps=2)
+    assert report.ok
+    assert report.row("step 1: param emb.weight (dp rank 1, stage 1)").ok
+    assert report.row("step 1: grad l2.bias (dp rank 1, stage 1)").ok
+
+
+@needs_deepspeed
+def test_deepspeed_with_its_data_parallel_all_reduce_off_is_caught_at_every_replica(pipecheck_world: Any) -> None:
+    from pipecheck._runners.deepspeed.driver import DeepSpeedRunner
+
+    with pytest.raises(pc.EquivalenceError) as caught:
+        _train(pipecheck_world(4), runner=DeepSpeedRunner(em.UnreducedReplicas), data_parallel=2, steps=2)
+    failing = {row.name for row in caught.value.report.failures}
+    assert {"step 0: grad l1.weight", "step 0: grad l1.weight (dp rank 1, stage 0)"} <= failing
+    assert "step 0: loss" not in failing  # the forward is right: only the reduction is missing
+
+
+@needs_deepspeed
+def test_deepspeed_clips_by_stage_zeros_gradient_norm_alone(pipecheck_world: Any) -> None:
+    """DeepSpeed's fp32 clipping in a pipeline counts only the model-parallel rank 0's gradients, and a
+    pipeline's stages are its model-parallel group: the norm is stage 0's. The check flags the optimizer step
+    where stage 1's parameters change the norm (measured: the coefficient DeepSpeed applied is stage 0's
+    0.060, the whole model's 0.037, on this model with clip_grad_norm=0.05)."""
+    with pytest.raises(pc.EquivalenceError) as caught:
+        _train(pipecheck_world(2), clip_grad_norm=0.5)
+    report = caught.value.report
+    failing = {row.name for row in report.failures}
+    assert not any(name.startswith(("step 0: ", "step 1: grad ")) for name in failing)  # before clipping: right
+    assert "step 1: param l2.weight" in failing
+    assert "optimizer step 1 of 3 (step 0 matches), in its parameters after the optimizer step" in report.located
+    assert "clipping's norm over the stages" in report.hints["step 1: param emb.weight"]
+    assert _train(pipecheck_world(2), clip_grad_norm=1e6).ok  # a norm never reached: nothing clipped, and right
+
+
+@needs_deepspeed
+def test_deepspeed_clipping_on_a_stage_without_gradients_fails_inside_deepspeed(pipecheck_world: Any) -> None:
+    with pytest.raises(pc.EngineError) as caught:  # its clip_grad_norm_ reads parameters[0] of an empty list
+        _train(pipecheck_world(2), model=tm.make_front_loaded, clip_grad_norm=0.5)
+    assert (caught.value.rank, caught.value.stage) == (1, 1)
+    assert str(caught.value).startswith("IndexError")
+    assert "gradient_clipping=0.5" in str(caught.value)
+    assert _train(pipecheck_world(2), model=tm.make_front_loaded).ok  # without clipping it trains right
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("order", ["between-optimizer-steps", "within-an-optimizer-step"])
+def test_deepspeed_takes_batches_whose_shapes_change(pipecheck_world: Any, order: str) -> None:
+    """Between optimizer steps: engine.reset_activation_shape(); within one: PipelineModule(dynamic_shape=True)."""
+    short, long = tm.tokens(seq=5, pad=2), tm.tokens(seq=7, seed=1, pad=2)
+    sequence = (short, short, long, long) if order == "between-optimizer-steps" else (short, long, long, short)
+    batches = [pc.Batch((x,), target=y) for x, y in sequence]
+    report = pc.assert_equivalent(tm.make_tied_lm, (short[0],), batches=batches, world=pipecheck_world(2),
+                                  **{**TRAINING, "steps": 2})
+    assert report.ok
+
+
+def test_deepspeed_refuses_a_batch_its_replicas_and_micro_batches_cannot_share_equally() -> None:
+    pytest.importorskip("deepspeed")
+    world = pc.World(4)  # never started: the refusal comes first
+    try:
+        x, y = tm.tokens(batch=6)
+        with pytest.raises(pc.InputError, match=r"batch of 6 rows does not split into 2 x 2 equal micro-batches"):
+            pc.assert_equivalent(tm.make_tied_lm, (x,), target=y, world=world, data_parallel=2,
+                                 **{**TRAINING, "n_microbatches": 2, "accumulation_steps": 1})
+        assert world.pids == ()
+    finally:
+        world.close()
 
 
 @needs_deepspeed

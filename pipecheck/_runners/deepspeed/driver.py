@@ -55,7 +55,7 @@ from pipecheck._runtime.boundaries import Boundaries, chain_producers, instrumen
 from pipecheck._split.microbatch import merge_microbatches, split_microbatches, unwrap_replicated
 from pipecheck._split.pipe import Pipe, Source
 from pipecheck.errors import EngineError, InputError
-from pipecheck.losses import MicrobatchLoss
+from pipecheck.losses import MicrobatchLoss, Reduction
 
 
 def _check_job(job: Job, runner: str) -> None:
@@ -93,7 +93,12 @@ class _DeepSpeedEngine(EngineRunner):
     running, preparing = "in engine.train_batch", "before train_batch"
 
     def setting(self, job: Job, plan: Any) -> str:
-        return f"n_microbatches={job.n_microbatches}, gradient_clipping=0"
+        training = job.training
+        setting = f"n_microbatches={job.n_microbatches}, gradient_clipping={training.clip_grad_norm or 0:g}"
+        if not training.plain:
+            setting += (f", gradient_accumulation_steps={training.accumulation_steps * job.n_microbatches}, "
+                        f"data_parallel={training.data_parallel}")
+        return setting
 
     def merge(self, job: Job, pipe: Pipe, plan: Any, reports: Sequence[DeepSpeedRankResult]) -> StepResult:
         last = reports[-1]
@@ -143,14 +148,18 @@ class DeepSpeedRunner(_DeepSpeedEngine):
     def n_ranks(self, job: Job, pipe: Pipe, plan: Any) -> int:
         return pipe.num_stages
 
+    def train(self, job: Job) -> list[StepResult]:
+        """Several optimizer steps on one engine, DeepSpeed's own data parallel (``train.py`` beside this)."""
+        from pipecheck._runners.deepspeed.train import train_deepspeed
+
+        return train_deepspeed(self, job)
+
 
 def _requires_grad(value: Any) -> bool:
     return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves(value))
 
 
-def run_deepspeed(job: Job) -> StepResult:
-    """The "deepspeed" runner: one ``train_batch`` of pipecheck's split of ``job`` through DeepSpeed."""
-    return DeepSpeedRunner()(job)
+run_deepspeed = DeepSpeedRunner()  # the "deepspeed" runner: run_deepspeed(job), or run_deepspeed.train(job)
 
 
 def _split_problems(job: Job, layout: SplitLayout) -> tuple[SplitLayout, list[BoundaryProblem]]:
@@ -170,7 +179,8 @@ def _split_problems(job: Job, layout: SplitLayout) -> tuple[SplitLayout, list[Bo
                            ((src, scalar_kind(t)) for src, t in layer.sent_types.items()) if kind is not None)
     layout = dataclasses.replace(layout, scalars=scalars)
     layers = [PipeStageLayer(stage, layout, constants) for stage in pipe.stages]
-    loss_of = MicrobatchLoss(job.loss_fn, job.target, job.n_microbatches)
+    per_token = job.training.loss_reduction == "token_mean"  # loss_fn returns per-token losses
+    loss_of = MicrobatchLoss(job.loss_fn, job.target, job.n_microbatches, Reduction(1.0, per_token=per_token))
     return layout, boundary_problems(layers, tuple(first[name] for name in layout.feed),
                                      lambda outputs: loss_of(0, pytree.tree_unflatten(list(outputs), pipe.out_spec)))
 

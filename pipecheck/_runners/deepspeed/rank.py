@@ -80,6 +80,7 @@ class EngineSetup:
     input_grads: Callable[[nn.Module], dict[str, list[torch.Tensor]]] = lambda pm: {}  # name -> per micro-batch
     recorder: Boundaries | None = None  # records boundary values (a failing check's second run)
     record_stage_module: bool = False  # record at DeepSpeed's stage module (a layer list's stages are no modules)
+    feed: Callable[[tuple[Any, ...], dict[str, Any], int], list[Any]] | None = None  # (args, kwargs, n) -> micro-batches
 
 
 @dataclass
@@ -95,7 +96,7 @@ class RecordingLoss:
     """DeepSpeed's loss_fn: the job's loss of micro-batch ``label``; records the outputs DeepSpeed
     gives it, by micro-batch."""
 
-    def __init__(self, loss_of: MicrobatchLoss, restructure: Callable[[Any], Any]) -> None:
+    def __init__(self, loss_of: Callable[[int, Any], torch.Tensor], restructure: Callable[[Any], Any]) -> None:
         self.loss_of = loss_of
         self.restructure = restructure
         self.outputs: dict[int, Any] = {}
@@ -185,7 +186,7 @@ def deepspeed_rank_step(ctx: RankContext, spec: Any) -> DeepSpeedRankResult:
     stopped = DeepSpeedRankResult(ctx.rank)
 
     def prepare() -> tuple[Any, EngineSetup]:
-        with _clock(stopped.timings, "import_s"):
+        with clock(stopped.timings, "import_s"):
             ctx.action = "import deepspeed"
             deepspeed = import_deepspeed()
         ctx.action = "prepare layers"
@@ -200,7 +201,7 @@ def deepspeed_rank_step(ctx: RankContext, spec: Any) -> DeepSpeedRankResult:
 
 
 @contextlib.contextmanager
-def _clock(timings: dict[str, float], key: str) -> Iterator[None]:
+def clock(timings: dict[str, float], key: str) -> Iterator[None]:
     started = time.perf_counter()
     try:
         yield
@@ -208,17 +209,19 @@ def _clock(timings: dict[str, float], key: str) -> Iterator[None]:
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - started
 
 
-def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSpeedRankResult:
+def build_engine(ctx: RankContext, deepspeed: Any, setup: EngineSetup, num_stages: int, config: dict[str, Any],
+                 optimizer_of: Callable[[list[nn.Parameter]], torch.optim.Optimizer], dynamic_shape: bool = False,
+                 ) -> tuple[Any, nn.Module, dict[int, str]]:
+    """DeepSpeed's PipelineModule of ``setup.layers`` over ``num_stages`` stages (the World's other ranks are
+    its data-parallel replicas), holding the model's weights, and its engine: ``(engine, module, names)``,
+    ``names`` each parameter's DeepSpeed name by ``id``."""
     from deepspeed.pipe import PipelineModule
 
-    result = DeepSpeedRankResult(ctx.rank, stage_grads={ctx.rank: {}})
-    ctx.stage = ctx.rank
-    groups_before = set(dist.distributed_c10d._world.pg_map)
-    with _clock(result.timings, "build_s"), _local_rank(ctx.rank):  # DeepSpeed reads LOCAL_RANK
+    with _local_rank(ctx.rank):  # DeepSpeed reads LOCAL_RANK
         ctx.action = "PipelineModule"
         with contextlib.redirect_stdout(io.StringIO()):  # rank 0 print()s the partition
-            module = PipelineModule(layers=setup.layers, num_stages=ctx.world_size, loss_fn=setup.loss,
-                                    partition_method=setup.partition_method)
+            module = PipelineModule(layers=setup.layers, num_stages=num_stages, loss_fn=setup.loss,
+                                    partition_method=setup.partition_method, dynamic_shape=dynamic_shape)
         parts = tuple(int(p) for p in module.parts)  # numpy ints with partition_method="parameters"
         if parts != setup.parts:
             raise DeepSpeedStepError(f"DeepSpeed partitioned the layers as {list(parts)}, pipecheck planned "
@@ -227,14 +230,35 @@ def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSp
         if setup.recorder is not None and setup.record_stage_module:  # this stage's layers, as one chain link
             instrument_module(module, ctx.rank, None, None, setup.recorder)
         names = {id(p): name for name, p in module.named_parameters()}
-        # torch's SGD refuses an empty parameter list (a stage of parameter-free layers)
-        optimizer = torch.optim.SGD(list(module.parameters()) or [nn.Parameter(torch.zeros(()))], lr=0.0)
+        optimizer = optimizer_of(list(module.parameters()))
+        ctx.action = "deepspeed.initialize"
+        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    return engine, module, names
+
+
+def frozen_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer DeepSpeed's step needs when the check wants none: SGD at lr 0 (torch's SGD refuses an
+    empty parameter list, which a stage of parameter-free layers has)."""
+    return torch.optim.SGD(params or [nn.Parameter(torch.zeros(()))], lr=0.0)
+
+
+def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSpeedRankResult:
+    result = DeepSpeedRankResult(ctx.rank, stage_grads={ctx.rank: {}})
+    ctx.stage = ctx.rank
+    groups_before = set(dist.distributed_c10d._world.pg_map)
+    names: dict[int, str] = {}
+
+    def optimizer_of(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = frozen_sgd(params)
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: result.stage_grads[ctx.rank].update(
             {setup.engine_fqn(names[id(p)]): p.grad.detach().cpu().clone() for group in opt.param_groups
              for p in group["params"] if id(p) in names and p.grad is not None}))
-        ctx.action = "deepspeed.initialize"
-        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=_config(setup))
-    with _clock(result.timings, "train_batch_s"), warnings.catch_warnings():
+        return optimizer
+
+    with clock(result.timings, "build_s"):
+        engine, module, built = build_engine(ctx, deepspeed, setup, ctx.world_size, _config(setup), optimizer_of)
+        names.update(built)
+    with clock(result.timings, "train_batch_s"), warnings.catch_warnings():
         # DeepSpeed broadcasts tied weights at construction outside no_grad; torch then warns at
         # backward that c10d::broadcast_ has no autograd kernel. The gradients are right (checked).
         warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
@@ -249,13 +273,13 @@ def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSp
     result.input_grads = setup.input_grads(module)
     if setup.recorder is not None:
         result.boundaries = setup.recorder.exported()
-    with _clock(result.timings, "teardown_s"):
+    with clock(result.timings, "teardown_s"):
         ctx.action = "teardown"
-        _teardown(engine, groups_before)
+        teardown(engine, groups_before)
     return result
 
 
-def _teardown(engine: Any, keep: set[Any]) -> None:
+def teardown(engine: Any, keep: set[Any]) -> None:
     """Free what one engine holds in a persistent rank.
 
     The last stage's engine is otherwise never collected: its outputs' autograd nodes hold
@@ -298,6 +322,10 @@ class SplitModelSpec:
     scalars: dict[Source, str] = field(default_factory=dict)  # boundary values that are Python numbers
     record: bool = False  # record the stage modules' boundary values (a failing check's second run)
 
+    def engine_built(self, engine: Any) -> None:
+        """Called on every rank of a training check once DeepSpeed's engine exists: a subclass may set the
+        engine's knobs here (as a user's script would after ``deepspeed.initialize``)."""
+
     def layout(self, pipe: Pipe, bound: Mapping[str, Any]) -> SplitLayout:
         """The layer chain: what each boundary carries (as the driver's dry run found), the tied modules."""
         return dataclasses.replace(split_layout(pipe, bound), scalars=dict(self.scalars))
@@ -326,6 +354,13 @@ class SplitModelSpec:
             layers += [identity] * (per_stage - 1 - len(tied)) + tied + [layer]
         microbatches = split_microbatches({name: bound[name] for name in layout.feed}, self.n_microbatches)
         target = cast_inputs(self.target, None, ctx.device)
+
+        def feed(args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list[Any]:
+            """Another batch's micro-batches, as DeepSpeed's data iterator hands them to the first stage."""
+            bound = pipe.bind_inputs(*cast_inputs((tuple(args), dict(kwargs)), None, ctx.device))
+            return [tuple(mb[name] for name in layout.feed)
+                    for mb in split_microbatches({name: bound[name] for name in layout.feed}, n)]
+
         return EngineSetup(
             layers=layers,
             partition_method="uniform",  # the same number of layers per stage: exactly one stage each
@@ -339,6 +374,7 @@ class SplitModelSpec:
             load=lambda module: _load_split(module, pipe, layout),
             input_grads=_recorded_input_grads,
             recorder=recorder,
+            feed=feed,
         )
 
 
