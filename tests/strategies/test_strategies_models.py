@@ -196,7 +196,7 @@ def test_every_feature_appears_within_200_draws() -> None:
     seen: set[str] = set()
 
     @settings(max_examples=200, deadline=None, derandomize=True, database=None)
-    @given(pst.models())
+    @given(pst.models(features=pst.FEATURES))  # dropout only when named
     def collect(spec: ModelSpec) -> None:
         seen.update(pst.features(spec))
 
@@ -230,7 +230,10 @@ def test_a_tied_model_shrinks_to_a_linear_and_its_tied_twin() -> None:
 
 
 def test_features_names_every_feature_a_spec_uses() -> None:
-    assert pst.features(ALL_BUT_TUPLE) == set(pst.FEATURES) - {"multi_output"}
+    assert pst.features(ALL_BUT_TUPLE) == set(pst.FEATURES) - {"multi_output", "dropout"}
+    dropped = dataclasses.replace(ALL_BUT_TUPLE, layers=(*ALL_BUT_TUPLE.layers, LayerSpec("dropout", (17,), 5)),
+                                  outputs=OutputSpec("dict", (18, 4, 0)))
+    assert "dropout" in pst.features(dropped)
     single = dataclasses.replace(ALL_BUT_TUPLE, outputs=OutputSpec("tuple", (17,)))
     assert "multi_output" in pst.features(single)
 
@@ -364,7 +367,7 @@ def test_repr_reproduces_the_call(strategy: object, expected: str) -> None:
                                             "['bogus']; choose from ['linear', "),
         ({"features": []}, "features=[] has no layer that fits at any position; add one of "
                            "['linear', 'layernorm', 'activation', 'buffer', 'kwarg', "
-                           "'kwarg_default', 'function', 'running', 'replicated']"),
+                           "'kwarg_default', 'function', 'running', 'replicated', 'dropout']"),
         ({"features": ["residual", "multi_output"]}, "has no layer that fits at any position"),
         ({"features": ["tied", "layernorm"]}, "has 'tied' but no layer owning a weight to tie "
                                               "to; add 'linear' or 'embedding'"),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, find, given, settings
+from hypothesis.errors import NoSuchExample
 
 import pipecheck as pc
 from pipecheck import strategies as pst
@@ -56,3 +58,24 @@ def test_the_optimizers_are_factories_of_torch_optimizers() -> None:
     params = [torch.nn.Parameter(torch.ones(2))]
     assert all(isinstance(factory(params), torch.optim.Optimizer) for factory in pst.OPTIMIZERS.values())
     assert set(pst.LOSS_REDUCTIONS) <= set(pc.losses.LOSS_REDUCTIONS)
+
+
+def test_training_cases_draw_dropout_and_it_matches_on_both_runners_that_follow_the_contract(pipecheck_world) -> None:  # type: ignore[no-untyped-def]
+    case = find(pst.pipeline_cases(training=True, max_stages=2, schedules=("1f1b",)),
+                lambda c: "dropout" in c.features() and c.steps > 1 and c.optimizer is not None,
+                settings=settings(EXACT, max_examples=2000))
+    assert "torch.nn.Dropout(0.25)" in case.repro("reference")
+    assert case.check("reference").ok
+    assert case.check("distributed", world=pipecheck_world(case.world_size * case.data_parallel)).ok
+
+
+def test_dropout_is_drawn_only_where_asked_for() -> None:
+    """One-step cases and plain models() have no randomness (most runners refuse it); features=[...] names it."""
+    assert "dropout" in pst.FEATURES
+    with pytest.raises(NoSuchExample):
+        find(pst.models(), lambda spec: "dropout" in pst.features(spec), settings=EXACT)
+    with pytest.raises(NoSuchExample):
+        find(pst.pipeline_cases(), lambda case: "dropout" in case.features(), settings=EXACT)
+    spec = find(pst.models(features=["linear", "dropout"]), lambda spec: "dropout" in pst.features(spec),
+                settings=EXACT)
+    assert isinstance(pst.build(spec).get_submodule("l0"), torch.nn.Dropout)

@@ -28,7 +28,7 @@ import torch
 
 from pipecheck.errors import InputError
 from pipecheck.strategies._internal import layers
-from pipecheck.strategies._internal.description import LayerSpec, ModelSpec, X
+from pipecheck.strategies._internal.description import DROPOUT_P, LayerSpec, ModelSpec, X
 
 _ACTIVATION_CLASS = {"relu": "ReLU", "gelu": "GELU", "tanh": "Tanh"}
 _CUSTOM_CLASS = {
@@ -231,6 +231,8 @@ def _constructor(spec: ModelSpec, index: int) -> str:
         return f"{skip_init}(torch.nn.Embedding, {vocab}, {dim})"
     if layer.kind == "activation":
         return f"torch.nn.{_ACTIVATION_CLASS[layer.op]}()"
+    if layer.kind == "dropout":
+        return f"torch.nn.Dropout({DROPOUT_P})"
     if layer.kind in ("buffer", "running"):
         return f"{_class_of(layer).__name__}({layer.width})"  # type: ignore[union-attr]
     if layer.kind == "function":

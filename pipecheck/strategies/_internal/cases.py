@@ -39,7 +39,7 @@ from pipecheck.strategies._internal.cuts import (
     cut_plan,
     draw_cuts,
 )
-from pipecheck.strategies._internal.description import ModelSpec, features
+from pipecheck.strategies._internal.description import FEATURES, ModelSpec, features
 from pipecheck.strategies._internal.models import models as _models
 from pipecheck.strategies._internal.training import LOSS_REDUCTIONS, OPTIMIZERS
 
@@ -224,8 +224,9 @@ def pipeline_cases(
     divides the batch (and is at most ``max_microbatches``). ``training=True`` also draws a
     training loop: 1 to 3 optimizer steps of one of ``OPTIMIZERS`` (or none), 1 or 2 accumulation
     steps, a loss convention of ``LOSS_REDUCTIONS``, 1 or 2 data-parallel replicas (when the batch and
-    ``max_world_size`` allow) (give runners that train: "reference",
-    "distributed", or a runner with a ``train`` method).
+    ``max_world_size`` allow), and its default models may have ``nn.Dropout`` layers in train mode
+    (give runners that train and follow the randomness contract: "reference", "distributed", or a
+    runner with a ``train`` method and ``follows_random_contract``).
 
     Shrinks towards fewer layers (and the model's own shrinking), fewer
     stages and earlier cuts, the first runner given, fp32 (when allowed), the
@@ -266,7 +267,8 @@ def _draw_pipeline_cases(
     runner = _pick(draw, config.runners)
     dtype = _pick(draw, config.dtypes)
     schedule = _pick(draw, config.schedules)
-    spec = draw(config.models)
+    spec = draw(config.models if models is not None or not training else
+                _default_models(max(1, config.min_stages), dropout=True))
     plan = cut_plan(spec)
     fixed = stages_per_rank_of(schedule)  # 1f1b and zb: 1 stage per rank; zbv: 2, in a V
     per_rank_cap = fixed or config.max_stages_per_rank
@@ -315,8 +317,9 @@ def _pick(draw: st.DrawFn, options: tuple[Any, ...]) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _default_models(min_layers: int) -> st.SearchStrategy[ModelSpec]:
-    return _models(min_layers=min_layers)
+def _default_models(min_layers: int, dropout: bool = False) -> st.SearchStrategy[ModelSpec]:
+    """``models(min_layers=...)``; with ``dropout``, every feature (a training case's models may drop out)."""
+    return _models(min_layers=min_layers, features=FEATURES if dropout else None)
 
 
 def _checked(

@@ -29,7 +29,7 @@ X = -1
 
 LayerKind = Literal[
     "linear", "layernorm", "activation", "embedding", "add", "concat",
-    "multiply", "buffer", "tied", "kwarg", "function", "running", "replicated",
+    "multiply", "buffer", "tied", "kwarg", "function", "running", "replicated", "dropout",
 ]
 InputRole = Literal["x", "ids", "kwarg", "replicated"]
 OutputKind = Literal["single", "tuple", "dict"]
@@ -40,12 +40,18 @@ FUNCTION_OPS = ("reverse", "ste")  # gradient reversal; straight-through roundin
 FEATURES = (
     "linear", "layernorm", "activation", "embedding", "residual", "concat", "multiply",
     "buffer", "tied", "kwarg", "kwarg_default", "multi_output", "dict_output",
-    "function", "running", "replicated",
+    "function", "running", "replicated", "dropout",
 )
 """Every name :func:`features` can report, in a fixed order."""
 
+OPT_IN = ("dropout",)
+"""Features a model has only when asked for by name: an ``nn.Dropout`` (p = ``DROPOUT_P``) in train mode is
+checked by the runners that follow pipecheck's randomness contract and refused by the others."""
+
+DROPOUT_P = 0.25
+
 _LAYER_FEATURE = {"add": "residual"}
-_UNARY_SAME_WIDTH = ("layernorm", "activation", "buffer", "kwarg", "function", "running", "replicated")
+_UNARY_SAME_WIDTH = ("layernorm", "activation", "buffer", "kwarg", "function", "running", "replicated", "dropout")
 
 
 @dataclass(frozen=True, repr=False)

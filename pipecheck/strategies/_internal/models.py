@@ -27,6 +27,7 @@ from pipecheck.strategies._internal.description import (
     BUFFER_OPS,
     FEATURES,
     FUNCTION_OPS,
+    OPT_IN,
     InputSpec,
     LayerSpec,
     ModelSpec,
@@ -40,7 +41,7 @@ T = TypeVar("T")
 IMPLIED = {"concat": ("linear",), "embedding": ("residual",)}
 # Layer features that fit at any position; a model may be made of these alone.
 _ANYWHERE = ("linear", "layernorm", "activation", "buffer", "kwarg", "kwarg_default", "function", "running",
-             "replicated")
+             "replicated", "dropout")
 # Layer kinds with parameters of their own (a tied layer's weight is another's).
 _WITH_PARAMETERS = ("linear", "layernorm", "embedding")
 # Layer features that join a second value (or weight) to the stream, when one fits.
@@ -69,7 +70,8 @@ def models(
     """Random DAG models as :class:`ModelSpec` (turn one into a module with ``build``).
 
     ``features`` limits the features used (names from ``FEATURES``; None allows
-    all). A feature brings what it needs: ``concat`` its Linear projecting back,
+    all but ``OPT_IN``: ``"dropout"``, an ``nn.Dropout`` in train mode, only when
+    named). A feature brings what it needs: ``concat`` its Linear projecting back,
     ``embedding`` the add that joins it to the stream. Every width (and the
     vocabulary of ``ids``) lies in ``[min_width, max_width]``, except a
     concat's output: the sum of its two inputs' widths. Every layer's output
@@ -210,7 +212,7 @@ class _Draft:
         add = self.layers.append
         if kind == "linear":
             add(LayerSpec("linear", (previous,), self._out_width(choices), bias=choices.flag))
-        elif kind in ("layernorm", "activation", "buffer", "function", "running"):
+        elif kind in ("layernorm", "activation", "buffer", "function", "running", "dropout"):
             op = {"activation": ACTIVATIONS, "buffer": BUFFER_OPS, "function": FUNCTION_OPS}.get(kind)
             add(LayerSpec(kind, (previous,), width,  # type: ignore[arg-type]
                           op=choices.among(op) if op else ""))
@@ -328,7 +330,7 @@ def _checked(
 
 def _allowed_features(features: object) -> tuple[tuple[str, ...], list[str]]:
     if features is None:
-        return FEATURES, []
+        return tuple(feature for feature in FEATURES if feature not in OPT_IN), []
     if isinstance(features, str) or not isinstance(features, Iterable):
         return (), [f"features={features!r} must be a collection of feature names, "
                     f"e.g. features=[{features!r}]"]
