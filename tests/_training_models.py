@@ -37,6 +37,13 @@ def make_tied_lm() -> TiedLM:
     return TiedLM()
 
 
+def make_frozen_lm() -> TiedLM:
+    """TiedLM with its first layer frozen (``requires_grad=False``), as in fine-tuning."""
+    model = make_tied_lm()
+    model.l1.requires_grad_(False)
+    return model
+
+
 class UntiedLM(TiedLM):
     """TiedLM with an output projection of its own."""
 
@@ -86,7 +93,7 @@ def tokens(batch: int = 8, seq: int = 5, seed: int = 0, pad: int = 0) -> tuple[t
 
 
 BUGS = ("grads_not_zeroed", "replica_not_stepped", "mean_of_means", "rescaled_each_step", "clip_counts_replicas",
-        "dp_replica_not_reduced", "dp_not_averaged")
+        "dp_replica_not_reduced", "dp_not_averaged", "trains_frozen")
 
 
 class Trainer:
@@ -104,6 +111,11 @@ class Trainer:
     def train(self, job: pc.Job) -> list[pc.StepResult]:
         d = job.training.data_parallel
         replicas = [self._own_copies(job.split()) for _ in range(d)]  # (pipe, fqn -> stage -> parameter) each
+        if self.bug == "trains_frozen":  # an engine that sets requires_grad on every parameter it wraps
+            for _, copies in replicas:
+                for by_stage in copies.values():
+                    for param in by_stage.values():
+                        param.requires_grad_(True)
         optimizers = [job.training.optimizer([p for fqn, by_stage in copies.items() for s, p in by_stage.items()
                                               if not (self.bug == "replica_not_stepped" and s > min(by_stage))])
                       if job.training.optimizer else None for _, copies in replicas]

@@ -116,7 +116,8 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
         results.append(StepResult(
             outputs[0] if g == 1 else tuple(outputs), torch.stack(losses).sum(), grads,
             buffers={name: b.detach().clone() for name, b in model.named_buffers()},
-            params={name: p.detach().clone() for name, p in params} if optimizer is not None else {}))
+            params={name: p.detach().clone() for name, p in model.named_parameters()} if optimizer is not None
+            else {}))  # frozen ones too: an engine must leave them as they were
     return results, used
 
 

@@ -375,6 +375,11 @@ def _scaling(test: torch.Tensor, truth: torch.Tensor, job: Job) -> str | None:
     return None
 
 
+def _param_fqn(name: str) -> str:
+    """``step 2: param emb.weight (replica in stage 1)`` -> ``emb.weight``."""
+    return name.split("param ", 1)[1].split(" (", 1)[0]
+
+
 def _hint_step(t: int, rows: list[Row], results: list[StepResult], truth: list[StepResult], job: Job,
                hints: dict[str, str]) -> None:
     """Hints on the first failing step's rows (computed only on failure, never changing a verdict)."""
@@ -401,6 +406,12 @@ def _hint_step(t: int, rows: list[Row], results: list[StepResult], truth: list[S
         hint = _scaling(test, truth[t].grads[fqn], job) or diagnose_grad(test, truth[t].grads[fqn], job.n_microbatches)
         if hint:
             hints[row.name] = hint
+    frozen = [row for row in params_fail if _param_fqn(row.name) not in truth[t].grads]
+    for row in frozen:  # no gradient in eager: requires_grad=False
+        hints[row.name] = ("a frozen parameter (requires_grad=False) changed in the optimizer step: the engine trains "
+                           "it (it set requires_grad on every parameter it wraps, or steps parameters without a "
+                           "gradient of the model's)")
+    params_fail = [row for row in params_fail if row not in frozen]
     if params_fail and not grads_fail:
         replicas = [row for row in params_fail if "(replica in stage" in row.name]
         first = params_fail[0]

@@ -37,7 +37,7 @@ class StepResult:
     boundaries: dict[tuple[int, int, str, str], torch.Tensor] = field(default_factory=dict)
     # Optional: what the runner wants the report to say (its engine's version and configuration).
     notes: list[str] = field(default_factory=list)
-    # A training step's (``runner.train``): every parameter after the optimizer step, by original FQN,
+    # A training step's (``runner.train``): every parameter after the optimizer step (frozen ones too), by original FQN,
     # and every replica of a tied parameter after it, fqn -> stage -> value.
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     replica_params: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipecheck._core.training import OptimizerFactory
-from pipecheck._runtime.stage_step import trainable_params
+from pipecheck._runtime.stage_step import frozen_params, trainable_params
 from pipecheck._split.pipe import Stage
 from pipecheck.errors import InputError
 
@@ -31,6 +31,7 @@ class StageOptimizer:
 
     def __init__(self, stages: Sequence[Stage], factory: OptimizerFactory | None) -> None:
         self.held: dict[int, list[tuple[str, torch.nn.Parameter]]] = {s.index: trainable_params(s) for s in stages}
+        self.frozen = {s.index: frozen_params(s) for s in stages}  # reported after each step, never stepped
         unique: dict[int, torch.nn.Parameter] = {}
         for params in self.held.values():
             unique.update((id(p), p) for _, p in params)
@@ -59,8 +60,9 @@ class StageOptimizer:
             self.optimizer.zero_grad(set_to_none=True)
 
     def params_after(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every held parameter's value now, by stage and FQN (detached copies)."""
-        return {stage: {fqn: p.detach().clone() for fqn, p in params} for stage, params in self.held.items()}
+        """Every parameter's value now, trainable and frozen, by stage and FQN (detached copies)."""
+        return {stage: {fqn: p.detach().clone() for fqn, p in [*params, *self.frozen[stage]]}
+                for stage, params in self.held.items()}
 
 
 def clip_by_norm(parameters: Sequence[torch.nn.Parameter], squares: Sequence[torch.Tensor], max_norm: float,

@@ -59,6 +59,17 @@ def trainable_params(stage: Stage) -> list[tuple[str, torch.nn.Parameter]]:
     return _TRAINABLE[stage.module]
 
 
+def frozen_params(stage: Stage) -> list[tuple[str, torch.nn.Parameter]]:
+    """The stage's parameters that need no gradient (``requires_grad=False``), once each, by canonical FQN:
+    a training check holds them to their value before the first step."""
+    seen: dict[str, torch.nn.Parameter] = {}
+    for local, param in stage.module.named_parameters(remove_duplicate=False):
+        fqn = stage.local_to_fqn.get(local)
+        if fqn is not None and not param.requires_grad and fqn not in seen:
+            seen[fqn] = param
+    return list(seen.items())
+
+
 # Per stage module, computed once: backward asks for every micro-batch.
 _TRAINABLE: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]] = \
     weakref.WeakKeyDictionary()

@@ -15,6 +15,7 @@ from _training_models import (
     adamw,
     lbfgs,
     make_dropout_net,
+    make_frozen_lm,
     make_tied_lm,
     make_untied_lm,
     mean_ce,
@@ -30,10 +31,10 @@ import pipecheck as pc
 LOOP = dict(n_microbatches=4, steps=3, accumulation_steps=2, optimizer=adamw, clip_grad_norm=0.5)
 
 
-def _check(runner, **settings):  # type: ignore[no-untyped-def]
+def _check(runner, model=make_tied_lm, **settings):  # type: ignore[no-untyped-def]
     x, y = tokens(pad=3)
     options = {**LOOP, "loss_fn": token_ce, "target": y, "loss_reduction": "token_mean", **settings}
-    return pc.assert_equivalent(make_tied_lm, (x,), runner=runner, **options)
+    return pc.assert_equivalent(model, (x,), runner=runner, **options)
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])
@@ -89,19 +90,21 @@ def test_the_distributed_runtime_takes_batches_of_other_shapes(pipecheck_world) 
     ("clip_counts_replicas-adamw", "step 1: param", "optimizer step differs"),  # Adam's first step ignores scale
     ("dp_replica_not_reduced-dp", "step 0: grad l1.weight (dp rank 1, stage 0)", None),
     ("dp_not_averaged-dpmean", "step 0: loss", "not divided by data_parallel=2"),
+    ("trains_frozen-frozen", "step 0: param l1.weight", "a frozen parameter (requires_grad=False) changed"),
 ])
 def test_planted_training_bugs_are_caught_at_the_right_value(bug, first, hint) -> None:  # type: ignore[no-untyped-def]
     bug, _, variant = bug.partition("-")
     with pytest.raises(pc.EquivalenceError) as caught:
         _check(Trainer(bug), optimizer=adamw if variant == "adamw" else sgd, data_parallel=2 if "dp" in variant else 1,
-               **({"loss_reduction": "mean", "loss_fn": mean_ce} if variant == "dpmean" else {}))
+               **({"loss_reduction": "mean", "loss_fn": mean_ce} if variant == "dpmean" else {}),
+               **({"model": make_frozen_lm} if variant == "frozen" else {}))
     report = caught.value.report
     assert report.located.startswith("first divergence: optimizer step " + first.split(":")[0].split()[1])
     failing = [row.name for row in report.failures]
     assert any(name.startswith(first) for name in failing), failing
     if hint is not None:
         assert any(hint in text for text in report.hints.values()), report.hints
-    assert set(BUGS) >= {bug}
+    assert bug in BUGS
 
 
 def test_a_mean_of_means_engine_passes_the_mean_convention_it_implements() -> None:
@@ -320,3 +323,20 @@ def test_a_model_that_writes_into_its_input_trains_on_clean_copies_everywhere() 
         assert pc.assert_equivalent(WritesItsInput(), (x,), loss_fn=mse, target=y, n_microbatches=n, steps=2,
                                     optimizer=sgd, runner="reference").ok
     assert torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("runner", ["reference", "distributed", "torch", Trainer()],
+                         ids=["reference", "distributed", "torch", "users-engine"])
+def test_a_frozen_parameter_is_held_to_its_value_after_every_step(runner, pipecheck_world) -> None:  # type: ignore[no-untyped-def]
+    world = pipecheck_world(2) if runner in ("distributed", "torch") else None
+    try:
+        report = _check(runner, model=make_frozen_lm, world=world)
+    except pc.EquivalenceError as err:  # torch never sums the tied embedding's replicas: only those fail
+        assert runner == "torch"
+        report = err.report
+        assert all("emb.weight" in row.name or row.kind in ("outputs", "loss") or "step 0:" not in row.name
+                   for row in report.failures)
+    else:
+        assert report.ok
+    assert report.row("step 2: param l1.weight").ok
+    assert "step 2: grad l1.weight" not in {row.name for row in report.rows}

@@ -316,6 +316,12 @@ def test_deepspeeds_own_data_parallel_runs_pp2_by_dp2_on_a_world_of_four(pipeche
 
 
 @needs_deepspeed
+def test_deepspeed_leaves_a_frozen_parameter_as_it_was(pipecheck_world: Any) -> None:
+    report = _train(pipecheck_world(2), model=tm.make_frozen_lm)
+    assert report.ok and report.row("step 2: param l1.weight").ok
+
+
+@needs_deepspeed
 def test_deepspeed_with_its_data_parallel_all_reduce_off_is_caught_at_every_replica(pipecheck_world: Any) -> None:
     from pipecheck._runners.deepspeed.driver import DeepSpeedRunner
 

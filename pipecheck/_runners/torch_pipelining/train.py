@@ -97,8 +97,10 @@ def torch_rank_train(ctx: RankContext, spec: TorchTrainSpec) -> TorchTraining:
                 optimizer.step()
         for param in unique:
             param.grad = None  # the next optimizer step accumulates from zero
-        report.params = {stage.stage_index: {fqn: param.detach().cpu().clone() for s, fqn, param in held
-                                             if s is stage and fqn is not None} for stage in prep.stages}
+        report.params = {stage.stage_index: {fqn: param.detach().cpu().clone()
+                                             for local, param in stage.submod.named_parameters()
+                                             for fqn in [original(local, param)] if fqn is not None}
+                         for stage in prep.stages}  # frozen parameters too
         report.buffers = {stage.stage_index: buffers_by_fqn(stage.submod, original) for stage in prep.stages}
         result.steps.append(report)
     ctx.stage, ctx.action = None, None
