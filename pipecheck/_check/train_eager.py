@@ -14,9 +14,10 @@ seeded projection of its outputs, filled in on the batch (every runner gets it).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -58,6 +59,7 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(training.optimizer, [p for _, p in params]) if training.optimizer else None
     g = training.accumulation_steps
+    replica_buffers = ReplicaBuffers(model, training.data_parallel)
     used = list(targets) if targets is not None else [None] * len(batches)
     results = []
     for t in range(training.steps):
@@ -69,7 +71,7 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
         d = training.data_parallel
         for i in group:
             with schedule_step(seed, t, i - t * g) if seed is not None else nullcontext():
-                forwards[i] = _forward(model, batches[i].unspoiled(), n_microbatches, d, uneven)
+                forwards[i] = _forward(model, batches[i].unspoiled(), n_microbatches, replica_buffers, uneven)
         for i in group:
             if used[i] is None:
                 used[i] = batches[i].target if loss_fn is not None else projection_target(
@@ -121,17 +123,57 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
     return results, used
 
 
-def _forward(model: nn.Module, inputs: Inputs, n_microbatches: int, data_parallel: int, uneven: bool) -> list[Any]:
+def _forward(model: nn.Module, inputs: Inputs, n_microbatches: int, buffers: ReplicaBuffers, uneven: bool
+             ) -> list[Any]:
     """One batch's micro-batches run forward (their graphs kept for the backward): each data-parallel
-    shard's in turn, numbered across the shards."""
+    shard's in turn, on its replica's buffers, numbered across the shards."""
     bound = inputs.signature.bind(*inputs.args, **inputs.kwargs)
     outputs = []
-    for r, shard in enumerate(shard_batch(dict(bound.arguments), data_parallel, uneven)):
-        for j, chunk in enumerate(split_microbatches(shard, n_microbatches, uneven=uneven)):
-            with microbatch(r * n_microbatches + j):
-                outputs.append(_call(model, inspect.BoundArguments(bound.signature, chunk), n_microbatches,
-                                     whole=bound))
+    for r, shard in enumerate(shard_batch(dict(bound.arguments), buffers.replicas, uneven)):
+        with buffers.of(r):
+            for j, chunk in enumerate(split_microbatches(shard, n_microbatches, uneven=uneven)):
+                with microbatch(r * n_microbatches + j):
+                    outputs.append(_call(model, inspect.BoundArguments(bound.signature, chunk), n_microbatches,
+                                         whole=bound))
     return outputs
+
+
+class ReplicaBuffers:
+    """Each data-parallel replica's own buffers, as each replica of an engine holds them: a forward that
+    updates a buffer (BatchNorm's running statistics, a running mean its output reads) updates its
+    replica's only. Replica 0's are the model's own; the others start as copies of them."""
+
+    def __init__(self, model: nn.Module, replicas: int) -> None:
+        self.replicas = replicas
+        self.slots = [(module, name) for module in model.modules() for name, b in module._buffers.items()
+                      if b is not None] if replicas > 1 else []
+        self.states: list[dict[int, torch.Tensor]] = [{}]
+        for _ in range(1, replicas):
+            copies: dict[int, torch.Tensor] = {}  # by the original's id: a buffer two modules share stays shared
+            for module, name in self.slots:
+                original = module._buffers[name]
+                assert original is not None
+                copies.setdefault(id(original), original.detach().clone())
+            self.states.append(copies)
+        self.held = [[id(module._buffers[name]) for module, name in self.slots] for _ in range(replicas)]
+
+    @contextlib.contextmanager
+    def of(self, replica: int) -> Iterator[None]:
+        """Replica ``replica``'s buffers in the model while the block runs (the block may replace them)."""
+        if replica == 0 or not self.slots:
+            yield
+            return
+        own = [module._buffers[name] for module, name in self.slots]
+        for (module, name), key in zip(self.slots, self.held[replica]):
+            module._buffers[name] = self.states[replica][key]
+        try:
+            yield
+        finally:
+            for i, (module, name) in enumerate(self.slots):
+                value = module._buffers[name]
+                assert value is not None
+                self.states[replica][self.held[replica][i]] = value
+                module._buffers[name] = own[i]
 
 
 def float64_copy(model: nn.Module) -> nn.Module:

@@ -340,3 +340,16 @@ def test_a_frozen_parameter_is_held_to_its_value_after_every_step(runner, pipech
         assert report.ok
     assert report.row("step 2: param l1.weight").ok
     assert "step 2: grad l1.weight" not in {row.name for row in report.rows}
+
+
+def test_each_data_parallel_replica_keeps_the_buffers_its_own_forwards_update(pipecheck_world) -> None:  # type: ignore[no-untyped-def]
+    """A running mean the output reads: eager runs replica 1's shard on replica 1's buffers, not on what
+    replica 0's shard left (found by a random run of pipeline_cases(training=True))."""
+    from pipecheck.strategies import InputSpec, LayerSpec, ModelSpec, OutputSpec, PipelineCase
+
+    spec = ModelSpec(inputs=(InputSpec("x", "x", 2),), outputs=OutputSpec("single", (1,)), batch=4, seed=0,
+                     layers=(LayerSpec("running", (-1,), 2), LayerSpec("linear", (0,), 2, bias=False)))
+    case = PipelineCase(spec, {"l1": pc.SplitPoint.BEGINNING}, n_microbatches=1, data_parallel=2, steps=2,
+                        optimizer="sgd")
+    assert case.check("reference").ok
+    assert case.check("distributed", world=pipecheck_world(4)).ok

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 from pipecheck.fixtures import get
 
 import pipecheck as pc
@@ -180,6 +182,48 @@ def test_check_with_module_names_cuts_where_the_names_say(pipecheck_world: Any) 
                                          target=y, n_microbatches=N_MICROBATCHES, world=pipecheck_world(2))
     assert report.ok
     assert report.row("grad layers.1.attn.weight").stages == (1,)
+
+
+# --- training: torchtitan's schedule across optimizer steps, its own clipping ------------------------------
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def token_lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("model,split_spec,schedule,per_rank", [
+    pytest.param(em.Decoder, TWO, "1f1b", 1, id="dict-1f1b"),
+    pytest.param(em.list_decoder, FOUR, "interleaved", 2, id="list-interleaved"),
+])
+def test_torchtitan_trains_with_its_pipeline_clipping_like_eager(pipecheck_world: Any, model: Any,
+                                                                 split_spec: dict[str, Any], schedule: str,
+                                                                 per_rank: int) -> None:
+    x, y = em.tokens()
+    y[:2, :3] = -100  # padding: the token mean counts the valid tokens of the whole optimizer step
+    report = pc.assert_equivalent(model, (x,), runner="torchtitan", loss_fn=token_lm_loss, target=y,
+                                  loss_reduction="token_mean", n_microbatches=N_MICROBATCHES, split_spec=split_spec,
+                                  schedule=schedule, stages_per_rank=per_rank, world=pipecheck_world(2), steps=3,
+                                  accumulation_steps=2, optimizer=adamw, clip_grad_norm=0.05)
+    assert report.ok
+    assert report.row("step 2: param output.weight").ok and report.row("step 2: grad tok_embeddings.weight").ok
+
+
+@needs_torchtitan
+def test_torchtitan_training_refuses_what_it_cannot_run(pipecheck_world: Any) -> None:
+    x, y = em.tokens()
+    options = dict(runner="torchtitan", loss_fn=em.lm_loss, n_microbatches=N_MICROBATCHES, split_spec=TWO,
+                   steps=2, optimizer=adamw)
+    with pytest.raises(pc.InputError, match="torchtitan composes data parallel through FSDP/DDP"):
+        pc.assert_equivalent(em.Decoder, (x,), target=y, data_parallel=2, world=pipecheck_world(4), **options)
+    longer = torch.cat([x, x], dim=1)
+    with pytest.raises(pc.InputError, match="trains on batches of one shape"):
+        pc.assert_equivalent(em.Decoder, (x,), batches=[pc.Batch((x,), target=y), pc.Batch((longer,),
+                             target=torch.cat([y, y], dim=1))], world=pipecheck_world(2), **options)
 
 
 @needs_torchtitan

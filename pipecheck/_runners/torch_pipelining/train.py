@@ -133,6 +133,12 @@ def train_torch(runner: Any, job: Job) -> list[StepResult]:
     spec = TorchTrainSpec(step, tuple(batches), weights, job.training, first_holder)
     world = world_for(job, runner.n_ranks(job, pipe, step), runner.label)
     reports, ran = run_training(runner, world, job, torch_rank_train, spec, step)
+    return merge_training(pipe, job, reports, ran)
+
+
+def merge_training(pipe: Any, job: Job, reports: list[TorchTraining], ran: float) -> list[StepResult]:
+    """One StepResult per optimizer step from every rank's :class:`TorchTraining` (torch's and
+    torchtitan's loops: outputs and weighed losses on the last stage's rank, one pipeline)."""
     g = job.training.accumulation_steps
     results = []
     for t in range(job.training.steps):

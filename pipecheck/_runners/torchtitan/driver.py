@@ -38,6 +38,7 @@ from pipecheck._runners.job import Job
 from pipecheck._runners.torch_pipelining.rank import restructure
 from pipecheck._runners.torchtitan.rank import (
     ENGINE,
+    Refusal,
     TitanRankResult,
     TitanStepSpec,
     instrument_part,
@@ -227,12 +228,19 @@ class TorchtitanRunner(EngineRunner):
             (loss_of(mb, restructure(value, spec.out_spec)) / n).backward()
         return truth, chain_producers(truth.values)
 
+    def train(self, job: Job) -> list[StepResult]:
+        """Several optimizer steps on one schedule, torchtitan's clipping (``train.py`` beside this)."""
+        from pipecheck._runners.torchtitan.train import train_titan
+
+        return train_titan(self, job)
+
     def setting(self, job: Job, plan: TitanStepSpec) -> str:
         return (f"schedule {plan.schedule!r}, n_microbatches={job.n_microbatches}, module_names_per_stage="
                 f"{[list(s) for s in plan.module_names]}")
 
     def raise_reported(self, job: Job, plan: TitanStepSpec, reports: Sequence[RankReport]) -> None:
-        refused = next((r.refusal for r in reports if isinstance(r, TitanRankResult) and r.refusal is not None), None)
+        refusals = [getattr(r, "refusal", None) for r in reports]  # a step's or a training loop's report
+        refused = next((refusal for refusal in refusals if isinstance(refusal, Refusal)), None)
         if refused is not None:
             raise EngineError(f"{refused.message}\n{ENGINE} refused before running: stage {refused.stage} (rank "
                               f"{refused.rank}); {self.setting(job, plan)}.", engine=ENGINE, rank=refused.rank,

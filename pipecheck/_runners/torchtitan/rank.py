@@ -209,9 +209,10 @@ class _Prepared:
     whole: nn.Module
     named_inputs: dict[str, Any]
     recorder: Boundaries | None = None
+    mesh: Any = None  # the pipeline's device mesh (torchtitan's clip_grad_norm_ reduces the norm over it)
 
 
-def _prepare(ctx: RankContext, spec: TitanStepSpec, timings: dict[str, float]) -> _Prepared | Refusal:
+def prepare_titan(ctx: RankContext, spec: TitanStepSpec, timings: dict[str, float]) -> _Prepared | Refusal:
     started = time.perf_counter()
     ctx.action = "import torchtitan"
     from torch.distributed.pipelining.schedules import get_schedule_class
@@ -242,7 +243,7 @@ def _prepare(ctx: RankContext, spec: TitanStepSpec, timings: dict[str, float]) -
                      torch.arange(spec.n_microbatches, device=ctx.device), args, kwargs, whole, named)
 
 
-def _build(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared) -> None:
+def build_titan(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared) -> None:
     """torchtitan's split and schedule builder (after every rank agreed it can run)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.config import ParallelismConfig
@@ -252,7 +253,7 @@ def _build(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared) -> None:
     )
 
     ctx.action = "_pipeline_module_split"
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("pp",))
+    mesh = prep.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("pp",))
     prep.stages, prep.parts = _pipeline_module_split(prep.whole, mesh, spec.schedule, ctx.device,
                                                      [list(names) for names in spec.module_names])
     if spec.record:
@@ -275,7 +276,7 @@ def titan_rank_step(ctx: RankContext, spec: TitanStepSpec) -> TitanRankResult:
     result = TitanRankResult(ctx.rank)
 
     def prepare() -> _Prepared | None:
-        prepared = _prepare(ctx, spec, result.timings)
+        prepared = prepare_titan(ctx, spec, result.timings)
         if isinstance(prepared, Refusal):
             result.refusal = prepared
             return None
@@ -284,7 +285,7 @@ def titan_rank_step(ctx: RankContext, spec: TitanStepSpec) -> TitanRankResult:
     prepared = prepare_together(ctx, result, prepare)
     if prepared is None:
         return result
-    _build(ctx, spec, prepared)
+    build_titan(ctx, spec, prepared)
     return _step(ctx, spec, prepared, result)
 
 
@@ -307,7 +308,7 @@ def _step(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared, result: TitanR
     result.input_grads = {name: value.grad.detach().cpu() for name, value in prep.named_inputs.items()
                           if isinstance(value, torch.Tensor) and value.grad is not None}
     for stage, part in zip(prep.stages, prep.parts):
-        original = _by_local_name(original_names(prep.whole, spec.module_names[stage.stage_index]))
+        original = by_local_name(original_names(prep.whole, spec.module_names[stage.stage_index]))
         result.stage_grads[stage.stage_index], unmapped = grads_by_fqn(part, original)
         result.unmapped += unmapped
         result.buffers[stage.stage_index] = buffers_by_fqn(part, original)
@@ -316,6 +317,6 @@ def _step(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared, result: TitanR
     return result
 
 
-def _by_local_name(names: Callable[[str], str | None]) -> OriginalName:
+def by_local_name(names: Callable[[str], str | None]) -> OriginalName:
     """torchtitan's stage modules are the model's own modules: a name alone finds the FQN."""
     return lambda local, _tensor: names(local)
