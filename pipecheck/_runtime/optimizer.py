@@ -93,8 +93,8 @@ def build_optimizer(factory: OptimizerFactory, parameters: list[torch.nn.Paramet
         optimizer = factory(parameters)
     except Exception as err:
         raise InputError(f"optimizer={factory!r} failed on a list of parameters ({type(err).__name__}: {err}). "
-                         "Fix: pass a factory of the parameters, e.g. optimizer=lambda params: "
-                         "torch.optim.SGD(params, lr=0.1).") from err
+                         "Fix: pass a factory of the parameters, e.g. optimizer=functools.partial(torch.optim.SGD, "
+                         "lr=0.1) (a lambda works in this process but cannot travel to a World's ranks).") from err
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InputError(f"optimizer={factory!r} returned {type(optimizer).__name__}, not a torch.optim.Optimizer. "
                          "Fix: def adamw(params): return torch.optim.AdamW(params, lr=1e-3), and optimizer=adamw.")
