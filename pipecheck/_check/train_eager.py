@@ -155,7 +155,7 @@ class ReplicaBuffers:
                 assert original is not None
                 copies.setdefault(id(original), original.detach().clone())
             self.states.append(copies)
-        self.held = [[id(module._buffers[name]) for module, name in self.slots] for _ in range(replicas)]
+        self.held = [id(module._buffers[name]) for module, name in self.slots]  # each slot's key in a state
 
     @contextlib.contextmanager
     def of(self, replica: int) -> Iterator[None]:
@@ -164,7 +164,7 @@ class ReplicaBuffers:
             yield
             return
         own = [module._buffers[name] for module, name in self.slots]
-        for (module, name), key in zip(self.slots, self.held[replica]):
+        for (module, name), key in zip(self.slots, self.held):
             module._buffers[name] = self.states[replica][key]
         try:
             yield
@@ -172,7 +172,7 @@ class ReplicaBuffers:
             for i, (module, name) in enumerate(self.slots):
                 value = module._buffers[name]
                 assert value is not None
-                self.states[replica][self.held[replica][i]] = value
+                self.states[replica][self.held[i]] = value  # a buffer two modules share: the last one wins
                 module._buffers[name] = own[i]
 
 

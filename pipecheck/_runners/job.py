@@ -28,6 +28,7 @@ one result per optimizer step, its ``grads`` before the optimizer and its ``para
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -101,6 +102,16 @@ class Job:
             self._split = split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
                                 tracer=self.tracer)
         return self._split
+
+    def frozen_params(self) -> frozenset[str]:
+        """The FQNs of the model's parameters that need no gradient (``requires_grad=False``)."""
+        return frozenset(fqn for stage in self.structure().stages for local, param in
+                         stage.module.named_parameters(remove_duplicate=False) if not param.requires_grad
+                         for fqn in [stage.local_to_fqn.get(local)] if fqn is not None)
+
+    def with_batch(self, batch: Batch) -> Job:
+        """This job on one batch's inputs and target (an engine that plans on its first batch)."""
+        return dataclasses.replace(self, args=batch.args, kwargs=dict(batch.kwargs), target=batch.target)
 
     def schedule_batches(self) -> list[Batch]:
         """The batch of every schedule step of the training loop, in order."""

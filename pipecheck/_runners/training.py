@@ -102,7 +102,8 @@ def train_reference(job: Job) -> list[StepResult]:
             for stage, by_fqn in after[r].items():
                 for fqn, value in by_fqn.items():
                     result.dp_params.setdefault(fqn, {})[(r, stage)] = value
-                    result.dp_grads.setdefault(fqn, {})[(r, stage)] = total[fqn].clone()
+                    if fqn in total:  # a frozen parameter, or one without a gradient, has none
+                        result.dp_grads.setdefault(fqn, {})[(r, stage)] = total[fqn].clone()
         results.append(result)
     return results
 
@@ -119,17 +120,14 @@ def train_distributed(runner: EngineRunner, job: Job) -> list[StepResult]:
     with ``data_parallel`` d, the World holds d pipelines."""
     pipe = job.structure()
     first = job.schedule_batches()[0]
-    step = runner.plan(dataclasses.replace(job, args=first.args, kwargs=dict(first.kwargs), target=first.target), pipe)
+    step = runner.plan(job.with_batch(first), pipe)
     weights = tuple(reductions(job))
     spec = TrainSpec(dataclasses.replace(step, reduction=weights[0]), tuple(job.schedule_batches()), weights,
                      job.training)
     d = job.training.data_parallel
     p = runner.n_ranks(job, pipe, step)
-    asked = job.world.world_size if job.world is not None else job.world_size
-    if d > 1 and asked is not None and asked != d * p:
-        raise InputError(f"data_parallel={d} replicas of a pipeline of {plural(p, 'rank')} need {d * p} ranks, but "
-                         f"{'the World has' if job.world is not None else 'world_size is'} {asked}. Fix: "
-                         f"World({d * p}) / world_size={d * p}, or data_parallel={max(1, asked // p)}.")
+    if d > 1:
+        check_replica_world(job, p, "a pipeline of " + plural(p, "rank"))
     world = world_for(dataclasses.replace(job, world_size=None) if d > 1 else job, d * p, runner.label)
     reports, ran = run_training(runner, world, job, rank_train, spec, step)
     g = job.training.accumulation_steps
@@ -138,6 +136,24 @@ def train_distributed(runner: EngineRunner, job: Job) -> list[StepResult]:
     for result in results:
         result.timings["step_s"] = ran / len(results)
     return results
+
+
+def check_replica_world(job: Job, p: int, pipeline: str) -> None:
+    """An InputError unless the job's World (or world_size) holds data_parallel x ``p`` ranks."""
+    d = job.training.data_parallel
+    asked = job.world.world_size if job.world is not None else job.world_size
+    if asked is not None and asked != d * p:
+        raise InputError(f"data_parallel={d} replicas of {pipeline} need {d * p} ranks, but "
+                         f"{'the World has' if job.world is not None else 'world_size is'} {asked}. Fix: "
+                         f"World({d * p}) / world_size={d * p}, or data_parallel={max(1, asked // p)}.")
+
+
+def refuse_data_parallel(job: Job, runner: str, why: str) -> None:
+    """An InputError for ``data_parallel`` > 1 on a runner that trains one pipeline, saying ``why``."""
+    if job.training.data_parallel > 1:
+        raise InputError(f"runner={runner!r} with data_parallel={job.training.data_parallel}: {why}. Fix: "
+                         "data_parallel=1, or runner='distributed' or runner='deepspeed' (each runs its own "
+                         "data parallel).")
 
 
 def run_training(runner: EngineRunner, world: World, job: Job, rank_fn: Callable[..., Any], spec: Any,

@@ -336,8 +336,8 @@ def test_deepspeed_with_its_data_parallel_all_reduce_off_is_caught_at_every_repl
 def test_deepspeed_clips_by_stage_zeros_gradient_norm_alone(pipecheck_world: Any) -> None:
     """DeepSpeed's fp32 clipping in a pipeline counts only the model-parallel rank 0's gradients, and a
     pipeline's stages are its model-parallel group: the norm is stage 0's. The check flags the optimizer step
-    where stage 1's parameters change the norm (measured: the coefficient DeepSpeed applied is stage 0's
-    0.060, the whole model's 0.037, on this model with clip_grad_norm=0.05)."""
+    where stage 1's parameters change the norm (measured once on this model, one SGD step at
+    clip_grad_norm=0.05: DeepSpeed applied stage 0's coefficient 0.060, the whole model's is 0.037)."""
     with pytest.raises(pc.EquivalenceError) as caught:
         _train(pipecheck_world(2), clip_grad_norm=0.5)
     report = caught.value.report

@@ -4,30 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import find, settings
 from hypothesis.errors import NoSuchExample
 
 import pipecheck as pc
 from pipecheck import strategies as pst
 
-FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXACT = settings(database=None, derandomize=True, deadline=None)
 
 
-@FEW
-@given(pst.pipeline_cases(training=True, max_stages=3, max_world_size=3, schedules=("gpipe", "1f1b")))
-def test_generated_training_loops_match_eager_on_the_reference(case: pst.PipelineCase) -> None:
-    report = case.check("reference")
-    if case.steps > 1:
-        assert any(row.name.startswith(f"step {case.steps - 1}: ") for row in report.rows)
-    if case.optimizer:
-        assert any(row.kind == "params" for row in report.rows)
-
-
-@settings(FEW, max_examples=4)
-@given(case=pst.pipeline_cases(training=True, max_stages=2, max_world_size=4, schedules=("1f1b",)))
-def test_generated_training_loops_match_eager_on_the_runtime(case: pst.PipelineCase, pipecheck_world) -> None:
-    case.check("distributed", world=pipecheck_world(case.world_size * case.data_parallel))
+# The generated loops themselves run in test_properties.py, as many as the hypothesis profile says.
 
 
 def test_data_parallel_cases_are_drawn_where_they_fit() -> None:

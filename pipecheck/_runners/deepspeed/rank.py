@@ -209,6 +209,15 @@ def clock(timings: dict[str, float], key: str) -> Iterator[None]:
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - started
 
 
+@contextlib.contextmanager
+def quiet_tied_broadcast() -> Iterator[None]:
+    """DeepSpeed broadcasts tied weights at construction outside no_grad; torch then warns at backward
+    that c10d::broadcast_ has no autograd kernel. The gradients are right (checked): the warning is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+        yield
+
+
 def build_engine(ctx: RankContext, deepspeed: Any, setup: EngineSetup, num_stages: int, config: dict[str, Any],
                  optimizer_of: Callable[[list[nn.Parameter]], torch.optim.Optimizer], dynamic_shape: bool = False,
                  ) -> tuple[Any, nn.Module, dict[int, str]]:
@@ -258,10 +267,7 @@ def _train_batch(ctx: RankContext, deepspeed: Any, setup: EngineSetup) -> DeepSp
     with clock(result.timings, "build_s"):
         engine, module, built = build_engine(ctx, deepspeed, setup, ctx.world_size, _config(setup), optimizer_of)
         names.update(built)
-    with clock(result.timings, "train_batch_s"), warnings.catch_warnings():
-        # DeepSpeed broadcasts tied weights at construction outside no_grad; torch then warns at
-        # backward that c10d::broadcast_ has no autograd kernel. The gradients are right (checked).
-        warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+    with clock(result.timings, "train_batch_s"), quiet_tied_broadcast():
         ctx.action = "train_batch"
         loss = engine.train_batch(data_iter=iter(setup.batches))
     ctx.action = "collect"

@@ -18,7 +18,6 @@ parameters after it, every rank's copy.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +36,12 @@ from pipecheck._runners.deepspeed.rank import (
     clock,
     frozen_sgd,
     import_deepspeed,
+    quiet_tied_broadcast,
     teardown,
 )
 from pipecheck._runners.job import Job
 from pipecheck._runners.rank_side import prepare_together
-from pipecheck._runners.training import merge_step, reductions, run_training
+from pipecheck._runners.training import check_replica_world, merge_step, reductions, run_training
 from pipecheck._runtime.optimizer import build_optimizer
 from pipecheck._runtime.training import RankTraining, TrainStepReport
 from pipecheck._split.inputs import cast_inputs
@@ -99,9 +99,10 @@ def deepspeed_rank_train(ctx: RankContext, spec: DeepSpeedTrainSpec) -> RankTrai
     }
 
     def optimizer_of(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        if training.optimizer is None or not params:
-            return frozen_sgd(params)
-        return build_optimizer(training.optimizer, params)
+        trainable = [p for p in params if p.requires_grad]  # the factory sees what eager's does
+        if training.optimizer is None or not trainable:
+            return frozen_sgd(trainable)
+        return build_optimizer(training.optimizer, trainable)
 
     with clock(result.timings, "build_s"):
         engine, module, names = build_engine(ctx, deepspeed, setup, spec.num_stages, config, optimizer_of,
@@ -133,9 +134,7 @@ def deepspeed_rank_train(ctx: RankContext, spec: DeepSpeedTrainSpec) -> RankTrai
             setup.loss.loss_of, setup.loss.outputs = step_loss, {}
             if spec.reshaped[t]:
                 engine.reset_activation_shape()  # DeepSpeed's way for batches whose shapes change
-            with clock(result.timings, "train_batch_s"), warnings.catch_warnings():
-                # DeepSpeed broadcasts tied weights at construction outside no_grad (see rank.py)
-                warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+            with clock(result.timings, "train_batch_s"), quiet_tied_broadcast():
                 ctx.action = f"train_batch of optimizer step {t}"
                 engine.train_batch(data_iter=iter(data))
             ctx.action = "collect"
@@ -163,17 +162,12 @@ def train_deepspeed(runner: Any, job: Job) -> list[StepResult]:
     pipe = job.structure()
     batches = job.schedule_batches()
     first = batches[0]
-    step = runner.plan(dataclasses.replace(job, args=first.args, kwargs=dict(first.kwargs), target=first.target),
-                       pipe)
+    step = runner.plan(job.with_batch(first), pipe)
     p = runner.n_ranks(job, pipe, step)
     shapes = [_refuse_unequal(pipe, batch, d, n, i) for i, batch in enumerate(batches)]
     within = any(len(set(shapes[t * g:(t + 1) * g])) > 1 for t in range(training.steps))
     reshaped = tuple(t > 0 and shapes[t * g] != shapes[t * g - 1] for t in range(training.steps))
-    asked = job.world.world_size if job.world is not None else job.world_size
-    if asked is not None and asked != d * p:
-        raise InputError(f"data_parallel={d} replicas of DeepSpeed's pipeline of {plural(p, 'stage')} need "
-                         f"{d * p} ranks, but {'the World has' if job.world is not None else 'world_size is'} "
-                         f"{asked}. Fix: World({d * p}) / world_size={d * p}, or data_parallel={max(1, asked // p)}.")
+    check_replica_world(job, p, f"DeepSpeed's pipeline of {plural(p, 'stage')}")
     spec = DeepSpeedTrainSpec(step, tuple(batches), tuple(reductions(job)), training, p,
                               shapes[0][0] // (d * n), reshaped, within)
     world = world_for(dataclasses.replace(job, world_size=None), d * p, runner.label)

@@ -32,12 +32,11 @@ from pipecheck._runners.torch_pipelining.rank import (
     _torch_target,
     original_fqn,
 )
-from pipecheck._runners.training import reductions, run_training
+from pipecheck._runners.training import reductions, refuse_data_parallel, run_training
 from pipecheck._runtime.optimizer import build_optimizer, clip_by_norm, summed_over
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import unwrap_replicated
 from pipecheck._world.worker import RankContext
-from pipecheck.errors import InputError
 from pipecheck.losses import MicrobatchLoss, Reduction
 
 
@@ -119,15 +118,12 @@ def _clip(ctx: RankContext, held: list[tuple[Any, str | None, torch.nn.Parameter
 
 def train_torch(runner: Any, job: Job) -> list[StepResult]:
     """The driver side: plan once, one World job for the whole loop, one StepResult per optimizer step."""
-    if job.training.data_parallel > 1:
-        raise InputError(f"runner='torch' with data_parallel={job.training.data_parallel}: pipecheck drives "
-                         "torch.distributed.pipelining on one pipeline; composing it with DDP or FSDP is not "
-                         "supported yet. Fix: data_parallel=1, or runner='distributed' (pipecheck's runtime).")
+    refuse_data_parallel(job, "torch", "pipecheck drives torch.distributed.pipelining on one pipeline; composing "
+                         "it with DDP or FSDP is not supported yet")
     pipe = job.structure()
     batches = job.schedule_batches()
     first = batches[0]
-    step = dataclasses.replace(runner.plan(dataclasses.replace(job, args=first.args, kwargs=dict(first.kwargs),
-                                                               target=first.target), pipe), scale_grads=False)
+    step = dataclasses.replace(runner.plan(job.with_batch(first), pipe), scale_grads=False)
     weights = tuple(reductions(job))
     first_holder = {fqn: min(pipe.param_stages(fqn)) for stage in pipe.stages for fqn in stage.params}
     spec = TorchTrainSpec(step, tuple(batches), weights, job.training, first_holder)

@@ -274,6 +274,13 @@ def build_titan(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared) -> None:
 def titan_rank_step(ctx: RankContext, spec: TitanStepSpec) -> TitanRankResult:
     """What every rank runs (top-level, so it pickles)."""
     result = TitanRankResult(ctx.rank)
+    prepared = ready_titan(ctx, spec, result)
+    return result if prepared is None else _step(ctx, spec, prepared, result)
+
+
+def ready_titan(ctx: RankContext, spec: TitanStepSpec, result: Any) -> _Prepared | None:
+    """This rank's torchtitan stages and schedule, built once every rank agreed it can run; None when one
+    refused (``result.refusal``, a :class:`Refusal`) or failed before communicating (``result.failure``)."""
 
     def prepare() -> _Prepared | None:
         prepared = prepare_titan(ctx, spec, result.timings)
@@ -283,10 +290,9 @@ def titan_rank_step(ctx: RankContext, spec: TitanStepSpec) -> TitanRankResult:
         return prepared
 
     prepared = prepare_together(ctx, result, prepare)
-    if prepared is None:
-        return result
-    build_titan(ctx, spec, prepared)
-    return _step(ctx, spec, prepared, result)
+    if prepared is not None:
+        build_titan(ctx, spec, prepared)
+    return prepared
 
 
 def _step(ctx: RankContext, spec: TitanStepSpec, prep: _Prepared, result: TitanRankResult) -> TitanRankResult:

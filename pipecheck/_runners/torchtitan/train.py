@@ -13,7 +13,6 @@ parallel through FSDP/DDP in its own parallelize step, which pipecheck does not 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,18 +22,17 @@ import torch.utils._pytree as pytree
 from pipecheck._core.training import Batch, Training
 from pipecheck._runners.base import world_for
 from pipecheck._runners.job import Job
-from pipecheck._runners.rank_side import buffers_by_fqn, grads_by_fqn, prepare_together
+from pipecheck._runners.rank_side import buffers_by_fqn, grads_by_fqn
 from pipecheck._runners.torch_pipelining.rank import restructure
 from pipecheck._runners.torch_pipelining.train import TorchTraining, TorchTrainStep, merge_training
 from pipecheck._runners.torchtitan.rank import (
     Refusal,
     TitanStepSpec,
-    build_titan,
     by_local_name,
     original_names,
-    prepare_titan,
+    ready_titan,
 )
-from pipecheck._runners.training import reductions, run_training
+from pipecheck._runners.training import reductions, refuse_data_parallel, run_training
 from pipecheck._runtime.optimizer import build_optimizer
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._world.worker import RankContext
@@ -60,18 +58,9 @@ def titan_rank_train(ctx: RankContext, spec: TitanTrainSpec) -> TitanTraining:
     from torchtitan.distributed.utils import clip_grad_norm_
 
     result = TitanTraining(ctx.rank)
-
-    def prepare() -> Any:
-        prepared = prepare_titan(ctx, spec.step, result.timings)
-        if isinstance(prepared, Refusal):
-            result.refusal = prepared
-            return None
-        return prepared
-
-    prep = prepare_together(ctx, result, prepare)
+    prep = ready_titan(ctx, spec.step, result)
     if prep is None:
         return result
-    build_titan(ctx, spec.step, prep)
     training, n = spec.training, spec.step.n_microbatches
     names = [by_local_name(original_names(prep.whole, spec.step.module_names[stage.stage_index]))
              for stage in prep.stages]
@@ -121,25 +110,25 @@ def titan_rank_train(ctx: RankContext, spec: TitanTrainSpec) -> TitanTraining:
 
 def train_titan(runner: Any, job: Job) -> list[Any]:
     """The driver side: plan once on the first batch, one World job for the whole loop."""
-    if job.training.data_parallel > 1:
-        raise InputError(f"runner='torchtitan' with data_parallel={job.training.data_parallel}: torchtitan composes "
-                         "data parallel through FSDP/DDP in its own parallelize step, which pipecheck does not drive. "
-                         "Fix: data_parallel=1, or runner='distributed' or runner='deepspeed' (their own data "
-                         "parallel).")
+    refuse_data_parallel(job, "torchtitan", "torchtitan composes data parallel through FSDP/DDP in its own "
+                         "parallelize step, which pipecheck does not drive")
     pipe = job.structure()
     batches = job.schedule_batches()
     first = batches[0]
-    shapes = {tuple(leaf.shape) for batch in batches for leaf in pytree.tree_leaves((batch.args, dict(batch.kwargs)))
-              if isinstance(leaf, torch.Tensor)} - {tuple(leaf.shape) for leaf in
-                                                    pytree.tree_leaves((first.args, dict(first.kwargs)))
-                                                    if isinstance(leaf, torch.Tensor)}
-    if shapes:  # measured: a rank crashes in native code on the new shapes
-        raise InputError("runner='torchtitan' trains on batches of one shape: torch's stages keep the shapes they "
-                         f"inferred on the first batch, and a later one has {sorted(shapes)[0]}. Fix: batches of "
-                         "the first one's shapes, or runner='distributed'.")
-    step = runner.plan(dataclasses.replace(job, args=first.args, kwargs=dict(first.kwargs), target=first.target),
-                       pipe)
+    shapes = [_shapes(batch) for batch in batches]
+    changed = next((i for i, found in enumerate(shapes) if found != shapes[0]), None)
+    if changed is not None:  # measured: a rank crashes in native code on the new shapes
+        raise InputError(f"runner='torchtitan' trains on batches of one shape: torch's stages keep the shapes they "
+                         f"inferred on the first batch {shapes[0]}, and schedule step {changed}'s batch has "
+                         f"{shapes[changed]}. Fix: batches of the first one's shapes, or runner='distributed'.")
+    step = runner.plan(job.with_batch(first), pipe)
     spec = TitanTrainSpec(step, tuple(batches), tuple(reductions(job)), job.training)
     world = world_for(job, runner.n_ranks(job, pipe, step), runner.label)
     reports, ran = run_training(runner, world, job, titan_rank_train, spec, step)
     return merge_training(pipe, job, reports, ran)
+
+
+def _shapes(batch: Batch) -> tuple[tuple[int, ...], ...]:
+    """The shapes of a batch's tensor inputs, in order."""
+    return tuple(tuple(leaf.shape) for leaf in pytree.tree_leaves((batch.args, dict(batch.kwargs)))
+                 if isinstance(leaf, torch.Tensor))

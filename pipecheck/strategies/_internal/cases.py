@@ -22,12 +22,13 @@ from typing import Any, cast
 import torch
 from hypothesis import reject
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 from pipecheck._check.report import Report
 from pipecheck._runners.registry import BUILTIN
 from pipecheck._split.markers import SplitPoint
 from pipecheck._split.microbatch import Replicated
-from pipecheck.errors import PipecheckError, WorldStartError
+from pipecheck.errors import NonFiniteError, PipecheckError, WorldStartError
 from pipecheck.schedules import SCHEDULE_NAMES, stages_per_rank_of
 from pipecheck.strategies._internal import repro as _repro
 from pipecheck.strategies._internal.builder import build, make_inputs
@@ -146,13 +147,18 @@ class PipelineCase:
     def check(self, runner: Any = None, **extra: Any) -> Report:
         """:meth:`run`, and on failure the same error with :meth:`repro` appended.
 
-        A :class:`pipecheck.PipecheckError` (an ``EquivalenceError`` included)
-        gets the source in its message; any other exception gets it as a note. A World that
+        Inside a hypothesis test, a case whose eager run itself gives NaN/Inf (a steep generated model
+        trained a few steps) is rejected, not failed. A :class:`pipecheck.PipecheckError` (an
+        ``EquivalenceError`` included) gets the source in its message; any other exception gets it as a note. A World that
         could not start (e.g. a script without a main guard) is not the case's doing: no source.
         """
         try:
             return self.run(runner, **extra)
         except WorldStartError:
+            raise
+        except NonFiniteError:
+            if currently_in_test_context():  # eager itself blew up (a steep model trained): not a case to judge
+                reject()
             raise
         except PipecheckError as err:
             err.args = (f"{err}\n\n{_repro.BANNER}\n\n{self.repro(runner, **extra)}",)
@@ -224,9 +230,9 @@ def pipeline_cases(
     divides the batch (and is at most ``max_microbatches``). ``training=True`` also draws a
     training loop: 1 to 3 optimizer steps of one of ``OPTIMIZERS`` (or none), 1 or 2 accumulation
     steps, a loss convention of ``LOSS_REDUCTIONS``, 1 or 2 data-parallel replicas (when the batch and
-    ``max_world_size`` allow), and its default models may have ``nn.Dropout`` layers in train mode
-    (give runners that train and follow the randomness contract: "reference", "distributed", or a
-    runner with a ``train`` method and ``follows_random_contract``).
+    ``max_world_size`` allow), and, when every runner given follows pipecheck's randomness contract
+    ("reference", "distributed", or a runner with ``follows_random_contract``), its default models may
+    have ``nn.Dropout`` layers in train mode (give runners that train).
 
     Shrinks towards fewer layers (and the model's own shrinking), fewer
     stages and earlier cuts, the first runner given, fp32 (when allowed), the
@@ -267,8 +273,8 @@ def _draw_pipeline_cases(
     runner = _pick(draw, config.runners)
     dtype = _pick(draw, config.dtypes)
     schedule = _pick(draw, config.schedules)
-    spec = draw(config.models if models is not None or not training else
-                _default_models(max(1, config.min_stages), dropout=True))
+    dropout = training and models is None and all(_follows_random_contract(r) for r in config.runners)
+    spec = draw(_default_models(max(1, config.min_stages), dropout=True) if dropout else config.models)
     plan = cut_plan(spec)
     fixed = stages_per_rank_of(schedule)  # 1f1b and zb: 1 stage per rank; zbv: 2, in a V
     per_rank_cap = fixed or config.max_stages_per_rank
@@ -309,6 +315,14 @@ def _draw_pipeline_cases(
 
 _draw_pipeline_cases.__name__ = _draw_pipeline_cases.__qualname__ = "pipeline_cases"  # repr
 _pipeline_cases = st.composite(_draw_pipeline_cases)
+
+
+def _follows_random_contract(runner: Any) -> bool:
+    """Whether ``runner`` draws dropout masks by pipecheck's randomness contract (a model with dropout is
+    refused by the others): "reference" and "distributed", or a runner that says so."""
+    if isinstance(runner, str):
+        return runner in ("reference", "distributed")
+    return bool(getattr(runner, "follows_random_contract", False))
 
 
 def _pick(draw: st.DrawFn, options: tuple[Any, ...]) -> Any:
