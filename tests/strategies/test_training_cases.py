@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import find, settings
-from hypothesis.errors import NoSuchExample
+from hypothesis import find, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample, Unsatisfiable
 
 import pipecheck as pc
 from pipecheck import strategies as pst
@@ -65,3 +66,30 @@ def test_dropout_is_drawn_only_where_asked_for() -> None:
     spec = find(pst.models(features=["linear", "dropout"]), lambda spec: "dropout" in pst.features(spec),
                 settings=EXACT)
     assert isinstance(pst.build(spec).get_submodule("l0"), torch.nn.Dropout)
+
+
+def test_dropout_is_not_drawn_for_a_runner_that_draws_its_own_masks() -> None:
+    with pytest.raises(NoSuchExample):
+        find(pst.pipeline_cases(training=True, runners=("torch",)), lambda case: "dropout" in case.features(),
+             settings=EXACT)
+
+
+STEEP = pst.PipelineCase(  # a chain of products: three SGD steps blow its eager loss up to inf
+    pst.ModelSpec(inputs=(pst.InputSpec("x", "x", 2),), batch=4, seed=410, outputs=pst.OutputSpec("tuple", (5, 0)),
+                  layers=(pst.LayerSpec("linear", (-1,), 2, bias=False), pst.LayerSpec("multiply", (0, -1), 2),
+                          pst.LayerSpec("multiply", (1, 0), 2), pst.LayerSpec("multiply", (2, 1), 2),
+                          pst.LayerSpec("multiply", (3, -1), 2), pst.LayerSpec("multiply", (4, 2), 2))),
+    {"l1": pc.SplitPoint.BEGINNING}, steps=3, optimizer="sgd")
+
+
+def test_a_case_whose_eager_run_blows_up_is_rejected_in_a_hypothesis_test_and_raised_outside() -> None:
+    with pytest.raises(pc.NonFiniteError):
+        STEEP.check("reference")
+
+    @settings(EXACT, max_examples=3)
+    @given(st.just(STEEP))
+    def judged(case: pst.PipelineCase) -> None:
+        case.check("reference")
+
+    with pytest.raises(Unsatisfiable):  # every example rejected: none failed
+        judged()
