@@ -58,7 +58,7 @@ def test_generated_cases_match_eager_in_fp32_on_the_reference_runner(
     case: pst.PipelineCase,
 ) -> None:
     record("reference-fp32", case)
-    case.check("reference")
+    _check_matched(case, "reference")
 
 
 @given(BF16)
@@ -77,7 +77,7 @@ def test_generated_cases_match_eager_on_the_distributed_runtime(
     pipecheck_world: Any, case: pst.PipelineCase,
 ) -> None:
     record("distributed-fp32", case)
-    case.check("distributed", world=pipecheck_world(case.world_size))
+    _check_matched(case, "distributed", world=pipecheck_world(case.world_size))
 
 
 def _check_matched(case: pst.PipelineCase, runner: str, **extra: Any) -> pc.Report:
