@@ -406,12 +406,15 @@ def _hint_step(t: int, rows: list[Row], results: list[StepResult], truth: list[S
         hint = _scaling(test, truth[t].grads[fqn], job) or diagnose_grad(test, truth[t].grads[fqn], job.n_microbatches)
         if hint:
             hints[row.name] = hint
-    frozen = [row for row in params_fail if _param_fqn(row.name) in job.frozen_params() and not row.note]
-    for row in frozen:  # the runner's value is there and differs from the one it started with
+    frozen_fqns = job.frozen_params()
+    frozen = [row for row in params_fail if _param_fqn(row.name) in frozen_fqns]
+    for row in frozen:
+        if row.note:  # missing from the runner's result: the row says so, no hint
+            continue
         hints[row.name] = ("a frozen parameter (requires_grad=False) changed in the optimizer step: the engine trains "
                            "it (it set requires_grad on every parameter it wraps, or steps parameters without a "
                            "gradient of the model's)")
-    params_fail = [row for row in params_fail if row not in frozen and _param_fqn(row.name) not in job.frozen_params()]
+    params_fail = [row for row in params_fail if row not in frozen]
     if params_fail and not grads_fail:
         replicas = [row for row in params_fail if "(replica in stage" in row.name]
         first = params_fail[0]
