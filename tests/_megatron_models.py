@@ -81,3 +81,104 @@ def fails_on_ranks() -> nn.Module:
     if torch.distributed.is_initialized():
         raise ValueError("planted failure building the model on a rank")
     return mlp()
+
+
+class GPTChunk(nn.Module):
+    """A pipeline chunk as Megatron users write one: the word and position embeddings on the first
+    stage, a pre-norm transformer layer on every stage, the final norm and the output projection
+    tied to the word embedding on the last; hidden states travel as [seq, batch, hidden]."""
+
+    def __init__(self, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                 vocab: int = 16, hidden: int = 8, seq: int = 5) -> None:
+        super().__init__()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = True
+        self.input_tensor: torch.Tensor | None = None
+        if pre_process:
+            self.word_embeddings = nn.Embedding(vocab, hidden)
+            self.position_embeddings = nn.Embedding(seq, hidden)
+        self.layer = nn.TransformerEncoderLayer(hidden, 2, 16, dropout=0.0, norm_first=True)
+        if post_process:
+            self.final_norm = nn.LayerNorm(hidden)
+            self.output_layer = nn.Linear(hidden, vocab, bias=False)
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        if self.pre_process:
+            return self.word_embeddings.weight
+        return self.output_layer.weight if self.post_process else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.pre_process:
+            positions = torch.arange(tokens.shape[1])
+            hidden = (self.word_embeddings(tokens) + self.position_embeddings(positions)).transpose(0, 1).contiguous()
+        else:
+            assert self.input_tensor is not None
+            hidden = self.input_tensor
+        hidden = self.layer(hidden)
+        if not self.post_process:
+            return hidden
+        return self.output_layer(self.final_norm(hidden)).transpose(0, 1)  # [batch, seq, vocab]
+
+
+def gpt_chunk(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> nn.Module:
+    return GPTChunk(pre_process, post_process, vp_stage)
+
+
+def flat_chunk(pre_process: bool = True, post_process: bool = True) -> nn.Module:
+    """Sends [batch, hidden]: not the [seq, batch, hidden] Megatron's p2p carries."""
+    return FlatChunk(pre_process, post_process)
+
+
+class FlatChunk(GPTChunk):
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        super().set_input_tensor(input_tensor)
+        if self.input_tensor is not None:  # [batch, hidden] back to [seq, batch, hidden]
+            self.input_tensor = self.input_tensor.unsqueeze(0).expand(5, -1, -1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = super().forward(tokens)
+        return out if self.post_process else out.mean(0)
+
+
+def strided_chunk(pre_process: bool = True, post_process: bool = True) -> nn.Module:
+    """Sends [seq, batch, hidden] as a transposed view: not contiguous."""
+    return StridedChunk(pre_process, post_process)
+
+
+class StridedChunk(GPTChunk):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = super().forward(tokens)
+        return out if self.post_process else out.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def needs_parallel_state(pre_process: bool = True, post_process: bool = True) -> nn.Module:
+    """Asks Megatron's parallel_state which pipeline rank builds it (as GPTModel does)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Megatron warns at import that Transformer Engine is absent
+        from megatron.core import parallel_state
+
+    parallel_state.get_pipeline_model_parallel_rank()
+    return gpt_chunk(pre_process, post_process)
+
+
+def plain_module(pre_process: bool = True, post_process: bool = True) -> nn.Module:
+    """No set_input_tensor: not a Megatron chunk."""
+    return nn.Linear(4, 4)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def chunks_step_without_finalize(ctx: Any, plan: Any) -> Any:
+    """Planted: the adapter never calls finalize_model_grads (the tied embedding's replicas unsummed)."""
+    from pipecheck._runners.megatron import chunks_rank
+
+    finalize = __import__("megatron.core.distributed.finalize_model_grads", fromlist=["finalize_model_grads"])
+    with mock.patch.object(finalize, "finalize_model_grads", lambda *args, **kwargs: None):
+        return chunks_rank.chunks_rank_step(ctx, plan)

@@ -87,6 +87,8 @@ def build_module(model: ModelLike) -> tuple[nn.Module, bool]:
     if callable(model):
         try:
             built = model()
+        except InputError:  # pipecheck's own factories (a Megatron provider's chunks) say what is wrong already
+            raise
         except Exception as err:
             raise InputError(f"the model factory {getattr(model, '__qualname__', model)!r} raised "
                              f"{type(err).__name__}: {err}. Fix: make it build the model when called with no "

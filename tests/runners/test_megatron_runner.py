@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import pipecheck as pc
+from pipecheck.engines import megatron as pcm
 from pipecheck.engines.megatron import MegatronRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ranks unpickle _megatron_models by name
@@ -120,3 +121,82 @@ def test_megatron_s_knobs_reach_its_schedule_and_a_correct_setting_matches(knobs
     name, value = next(iter(knobs.items()))
     assert any(f"{name}={value!r}" in note and f"{name}={value!r} (Megatron's default)" not in note
                for note in report.notes), report.notes
+
+
+# --- a user's own chunks: pc.engines.megatron.check_chunks -----------------------------------------
+
+LABELS = torch.randint(0, 16, (8, 5), generator=torch.Generator().manual_seed(2))
+
+
+def _chunks_check(provider: object = mm.gpt_chunk, num_stages: int = 2, **options: object) -> pc.Report:
+    return pcm.check_chunks(provider, TOKENS, num_stages=num_stages, loss_fn=mm.lm_loss, target=LABELS,
+                            n_microbatches=4, **options)
+
+
+@needs_megatron
+def test_a_user_s_own_chunks_match_through_megatron_s_ddp_and_finalize_model_grads() -> None:
+    report = _chunks_check()
+    names = {row.name for row in report.rows}
+    assert report.ok and {"grad 0.word_embeddings.weight (replica in stage 0)",
+                          "grad 0.word_embeddings.weight (replica in stage 1)", "grad 1.final_norm.weight"} <= names
+    assert not any("output_layer" in name for name in names)  # the last chunk's tied weight is the embedding's
+    assert any("on the provider's own chunks, wrapped in its DistributedDataParallel" in note for note in report.notes)
+
+
+@needs_megatron
+def test_a_user_s_chunks_under_the_interleaved_schedule_on_two_ranks_show_megatron_s_default_as_a_mismatch() -> None:
+    with pytest.raises(pc.EquivalenceError) as caught:
+        _chunks_check(num_stages=4, schedule="interleaved", stages_per_rank=2)
+    report = caught.value.report
+    assert {"loss", "grad 3.final_norm.weight"} <= {row.name for row in report.failures}
+    assert re.match(r"first divergence: stage 1 received 'input' \(from stage 0\) in the forward: micro-batches 2, 3 "
+                    "differ", report.located), report.located
+    assert _chunks_check(num_stages=4, schedule="interleaved", stages_per_rank=2, batch_p2p_comm=False).ok
+
+
+@needs_megatron
+def test_a_planted_chunks_adapter_bug_is_caught_on_the_tied_embedding() -> None:
+    class Planted(pcm.MegatronChunksRunner):
+        rank_step = staticmethod(mm.chunks_step_without_finalize)
+
+    # private: the planted runner needs the factory check_chunks builds
+    from pipecheck._runners.megatron.chunks import chunk_list_factory
+
+    with pytest.raises(pc.EquivalenceError) as caught:
+        pc.assert_equivalent(chunk_list_factory(mm.gpt_chunk, 2, 1), (TOKENS,), runner=Planted(mm.gpt_chunk, 2),
+                             loss_fn=mm.lm_loss, target=LABELS, n_microbatches=4, world_size=2, tracer="fx")
+    failing = {row.name for row in caught.value.report.failures}
+    assert {"grad 0.word_embeddings.weight (replica in stage 0)",
+            "grad 0.word_embeddings.weight (replica in stage 1)"} <= failing
+    assert "grad 0.position_embeddings.weight" not in failing
+
+
+@pytest.mark.parametrize("provider,options,error,message", [
+    pytest.param(mm.flat_chunk, {}, pc.EngineError, "chunk 0 returns a float32 tensor of shape (2, 8)", id="not-3d"),
+    pytest.param(mm.strided_chunk, {}, pc.EngineError, "chunk 0 returns a tensor that is not contiguous",
+                 id="not-contiguous"),
+    pytest.param(mm.plain_module, {}, pc.InputError, "need an nn.Module with set_input_tensor", id="not-a-chunk"),
+    pytest.param(mm.needs_parallel_state, {}, pc.InputError, "where Megatron's process groups do not exist",
+                 id="needs-parallel-state"),
+    pytest.param(mm.flat_chunk, {"schedule": "interleaved", "stages_per_rank": 2}, pc.InputError,
+                 "cannot be called as Megatron calls it, with pre_process, post_process, vp_stage", id="no-vp-stage"),
+    pytest.param(mm.gpt_chunk, {"num_stages": 1}, pc.InputError, "num_stages=1 must be an int of at least 2",
+                 id="one-stage"),
+])
+def test_chunks_megatron_cannot_run_are_refused_before_any_rank_starts(provider: object, options: dict,
+                                                                       error: type[Exception], message: str) -> None:
+    if importlib.util.find_spec("megatron") is None and provider in (mm.flat_chunk, mm.strided_chunk,
+                                                                       mm.needs_parallel_state):
+        pytest.skip('needs megatron-core: pip install "pipecheck[megatron]"')
+    options = {"num_stages": 4 if "stages_per_rank" in options else 2, **options}
+    with pytest.raises(error, match=re.escape(message)):
+        _chunks_check(provider, **options)
+
+
+@needs_megatron
+@pytest.mark.gpu(n=2)
+def test_megatron_on_one_gpu_per_rank_with_nccl_matches_eager() -> None:
+    """Never run by this project's CI or its one-GPU device machine (NCCL needs a GPU per rank)."""
+    report = pc.assert_equivalent(mm.TiedLM, (TOKENS,), runner="megatron", n_microbatches=4, device="cuda")
+    assert report.ok and "grad emb.weight (replica in stage 1)" in {row.name for row in report.rows}
+    assert _chunks_check(device="cuda").ok

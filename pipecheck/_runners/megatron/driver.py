@@ -1,4 +1,5 @@
-"""The "megatron" runner: Megatron Core's pipeline schedules on pipecheck's World (CPU, gloo).
+"""The "megatron" runner: Megatron Core's pipeline schedules on pipecheck's World (CPU and gloo, or
+one GPU per rank and NCCL).
 
     pc.assert_equivalent(model, (x,), runner="megatron", n_microbatches=4)             # 1F1B
     pc.assert_equivalent(model, (x,), runner="megatron", schedule="interleaved", stages_per_rank=2)
@@ -56,7 +57,8 @@ class MegatronRunner(EngineRunner):
     def __init__(self, **config: Any) -> None:
         self.config = dict(config)
 
-    def plan(self, job: Job, pipe: Pipe) -> MegatronPlan:
+    def refuse_job(self, job: Job, num_stages: int) -> None:
+        """The job's schedule and stage count, refused where Megatron cannot run them."""
         problems = []
         schedule = _schedule_key(job)
         if schedule not in SCHEDULES:
@@ -65,12 +67,21 @@ class MegatronRunner(EngineRunner):
         elif (schedule == "interleaved") != (job.stages_per_rank > 1):
             problems.append(f"schedule={job.schedule!r} with stages_per_rank={job.stages_per_rank}: Megatron runs "
                             "1F1B with one stage per rank and the interleaved schedule with several")
-        if str(job.device) != "cpu":
-            problems.append(f"device={job.device!r}: pipecheck drives Megatron Core on CPU (gloo) here")
-        if pipe.num_stages % job.stages_per_rank:
-            problems.append(f"{plural(pipe.num_stages, 'stage')} do not split into {job.stages_per_rank} per rank")
+        if num_stages % job.stages_per_rank:
+            problems.append(f"{plural(num_stages, 'stage')} do not split into {job.stages_per_rank} per rank")
         if problems:
             raise InputError(f"{self.label} cannot run this job: " + "; ".join(problems) + ".")
+
+    def check_world(self, job: Job, world: Any) -> None:
+        """Megatron's p2p sends CUDA tensors straight to the process group: NCCL, one GPU per rank."""
+        if world.properties.gpus_shared:
+            raise EngineError(f"{self.label} cannot run on {world!r}: its {world.world_size} ranks share "
+                              f"{len(set(world.properties.devices))} GPU(s) and talk through gloo, and Megatron's "
+                              "p2p sends CUDA tensors straight to the process group, which gloo cannot carry. Fix: "
+                              "one GPU per rank (NCCL), or device='cpu'.", engine=ENGINE)
+
+    def plan(self, job: Job, pipe: Pipe) -> MegatronPlan:
+        self.refuse_job(job, pipe.num_stages)
         structure = _structure_problems(pipe)
         if structure:
             raise EngineError(f"{ENGINE} cannot run this split: " + "; ".join(structure) + ". (refused before any "
