@@ -112,7 +112,7 @@ class GPTChunk(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.pre_process:
-            positions = torch.arange(tokens.shape[1])
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
             hidden = (self.word_embeddings(tokens) + self.position_embeddings(positions)).transpose(0, 1).contiguous()
         else:
             assert self.input_tensor is not None
@@ -164,6 +164,40 @@ def needs_parallel_state(pre_process: bool = True, post_process: bool = True) ->
 
     parallel_state.get_pipeline_model_parallel_rank()
     return gpt_chunk(pre_process, post_process)
+
+
+class ScaledChunk(GPTChunk):
+    """Takes two inputs: the tokens and a per-sequence scale every chunk applies."""
+
+    def forward(self, tokens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.pre_process:
+            return super().forward(tokens) * scale[None, :, None]
+        out = super().forward(tokens)
+        return out * scale[:, None, None] if self.post_process else out * scale[None, :, None]
+
+
+def scaled_chunk(pre_process: bool = True, post_process: bool = True) -> nn.Module:
+    return ScaledChunk(pre_process, post_process)
+
+
+def one_sided_tie(pre_process: bool = True, post_process: bool = True) -> nn.Module:
+    """Only the first chunk says it shares its word embedding."""
+    chunk = GPTChunk(pre_process, post_process)
+    chunk.share_embeddings_and_output_weights = pre_process
+    return chunk
+
+
+def configured_chunk(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> nn.Module:
+    """A chunk carrying its own TransformerConfig, as Megatron's modules do, with batch_p2p_comm=False."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Megatron warns at import that Transformer Engine is absent
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        chunk = GPTChunk(pre_process, post_process, vp_stage)
+        chunk.config = TransformerConfig(num_layers=4, hidden_size=8, num_attention_heads=2, batch_p2p_comm=False)
+    return chunk
 
 
 def plain_module(pre_process: bool = True, post_process: bool = True) -> nn.Module:

@@ -46,21 +46,24 @@ def prepare_together(ctx: RankContext, report: RankReport, prepare: Callable[[],
     return prepared
 
 
-def grads_by_fqn(module: nn.Module, original: OriginalName) -> tuple[dict[str, torch.Tensor], list[str]]:
+def grads_by_fqn(module: nn.Module, original: OriginalName, gradient: str = "grad"
+                 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """A stage module's parameter gradients (on the CPU) by the model's FQNs, and the engine's names
-    that map to none. Parameters an engine copied per call of one module (one FQN) are summed."""
+    that map to none. Parameters an engine copied per call of one module (one FQN) are summed.
+    ``gradient``: the attribute the engine keeps them in (Megatron's DDP: ``"main_grad"``)."""
     grads: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     unmapped = []
     for local, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in seen or param.grad is None:
+        held = getattr(param, gradient, None)
+        if id(param) in seen or held is None:
             continue
         seen.add(id(param))
         fqn = original(local, param)
         if fqn is None:
             unmapped.append(local)
             continue
-        grad = param.grad.detach().cpu()
+        grad = held.detach().cpu()
         grads[fqn] = grads[fqn] + grad if fqn in grads else grad
     return grads, unmapped
 

@@ -54,6 +54,13 @@ def as_args(args: Sequence[Any] | Any) -> tuple[Any, ...]:
 COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64, torch.float16: torch.complex32}
 
 
+def detached_batch(inputs: Any) -> Any:
+    """An engine's whole-batch input as its data iterator yields it (a tensor, or a tuple from a tuple
+    or a list), every tensor detached: the engine's first stage gets no input gradient."""
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
+                           tuple(inputs) if isinstance(inputs, list) else inputs)
+
+
 def cast_dtype(current: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     """What a tensor of ``current`` dtype becomes when its model is cast to ``dtype``: a floating
     tensor ``dtype``, a complex one ``dtype``'s complex counterpart (none for bfloat16: unchanged),

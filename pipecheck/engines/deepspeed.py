@@ -26,13 +26,11 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.utils._pytree as pytree
-
 from pipecheck._check.equivalence import assert_equivalent
 from pipecheck._check.numerics import ToleranceLike
 from pipecheck._check.report import Report
 from pipecheck._runners.deepspeed.driver import DeepSpeedLayersRunner, build_layer_list
+from pipecheck._split.inputs import detached_batch
 from pipecheck.losses import LossFn
 
 if TYPE_CHECKING:
@@ -52,8 +50,7 @@ def check(layers: Sequence[Any], inputs: Any, *, num_stages: int, loss_fn: LossF
     batch (a tensor or a tuple of tensors), split on dim 0 into ``n_microbatches``.
     """
     runner = DeepSpeedLayersRunner(layers, num_stages, partition_method)
-    inputs = pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
-                             tuple(inputs) if isinstance(inputs, list) else inputs)
+    inputs = detached_batch(inputs)
     return assert_equivalent(functools.partial(build_layer_list, runner.layers, runner.parts), (inputs,),
                              loss_fn=loss_fn, target=target, n_microbatches=n_microbatches, runner=runner,
                              tolerance=tolerance, seed=seed, world=world, world_size=num_stages,

@@ -19,20 +19,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.utils._pytree as pytree
-
 from pipecheck._check.equivalence import assert_equivalent
 from pipecheck._check.numerics import ToleranceLike
 from pipecheck._check.report import Report
 from pipecheck._runners.megatron.chunks import MegatronChunksRunner, chunk_list_factory
 from pipecheck._runners.megatron.driver import MegatronRunner
+from pipecheck._split.inputs import detached_batch
 from pipecheck.losses import LossFn
 
 if TYPE_CHECKING:
     from pipecheck._world.world import World
 
-__all__ = ["MegatronChunksRunner", "MegatronRunner", "check", "check_chunks"]
+__all__ = ["MegatronRunner", "check", "check_chunks"]
 
 
 def check(model: Any, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
@@ -69,11 +67,10 @@ def check_chunks(model_provider: Callable[..., Any], inputs: Any, *, num_stages:
     first and the last chunk (``share_embeddings_and_output_weights``) is one parameter of the
     reference, named as the first chunk names it.
     """
-    runner = MegatronChunksRunner(model_provider, num_stages, **megatron_config)
-    inputs = pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
-                             tuple(inputs) if isinstance(inputs, list) else inputs)
-    return assert_equivalent(chunk_list_factory(model_provider, num_stages, stages_per_rank), (inputs,),
+    runner = MegatronChunksRunner(model_provider, num_stages, stages_per_rank, **megatron_config)
+    inputs = detached_batch(inputs)
+    return assert_equivalent(chunk_list_factory(model_provider, num_stages, stages_per_rank),
+                             inputs if isinstance(inputs, tuple) else (inputs,),
                              loss_fn=loss_fn, target=target, n_microbatches=n_microbatches, schedule=schedule,
                              stages_per_rank=stages_per_rank, runner=runner, tolerance=tolerance, seed=seed,
-                             device=device, world=world, world_size=num_stages // stages_per_rank, timeout=timeout,
-                             tracer="fx")
+                             device=device, world=world, timeout=timeout, tracer="fx")

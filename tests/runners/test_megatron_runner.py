@@ -8,6 +8,7 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -128,7 +129,7 @@ def test_megatron_s_knobs_reach_its_schedule_and_a_correct_setting_matches(knobs
 LABELS = torch.randint(0, 16, (8, 5), generator=torch.Generator().manual_seed(2))
 
 
-def _chunks_check(provider: object = mm.gpt_chunk, num_stages: int = 2, **options: object) -> pc.Report:
+def _chunks_check(provider: object = mm.gpt_chunk, num_stages: int = 2, **options: Any) -> pc.Report:
     return pcm.check_chunks(provider, TOKENS, num_stages=num_stages, loss_fn=mm.lm_loss, target=LABELS,
                             n_microbatches=4, **options)
 
@@ -156,39 +157,58 @@ def test_a_user_s_chunks_under_the_interleaved_schedule_on_two_ranks_show_megatr
 
 @needs_megatron
 def test_a_planted_chunks_adapter_bug_is_caught_on_the_tied_embedding() -> None:
-    class Planted(pcm.MegatronChunksRunner):
-        rank_step = staticmethod(mm.chunks_step_without_finalize)
+    # private: a planted runner of a user's chunks needs the runner and the factory check_chunks builds
+    from pipecheck._runners.megatron.chunks import MegatronChunksRunner, chunk_list_factory
 
-    # private: the planted runner needs the factory check_chunks builds
-    from pipecheck._runners.megatron.chunks import chunk_list_factory
+    class Planted(MegatronChunksRunner):
+        rank_step = staticmethod(mm.chunks_step_without_finalize)
 
     with pytest.raises(pc.EquivalenceError) as caught:
         pc.assert_equivalent(chunk_list_factory(mm.gpt_chunk, 2, 1), (TOKENS,), runner=Planted(mm.gpt_chunk, 2),
-                             loss_fn=mm.lm_loss, target=LABELS, n_microbatches=4, world_size=2, tracer="fx")
+                             loss_fn=mm.lm_loss, target=LABELS, n_microbatches=4, tracer="fx")
     failing = {row.name for row in caught.value.report.failures}
     assert {"grad 0.word_embeddings.weight (replica in stage 0)",
             "grad 0.word_embeddings.weight (replica in stage 1)"} <= failing
     assert "grad 0.position_embeddings.weight" not in failing
 
 
+@needs_megatron
+def test_chunks_take_several_inputs_and_their_own_transformer_config() -> None:
+    scale = torch.rand(8, generator=torch.Generator().manual_seed(3)) + 0.5
+    assert pcm.check_chunks(mm.scaled_chunk, (TOKENS, scale), num_stages=2, loss_fn=mm.lm_loss, target=LABELS,
+                            n_microbatches=4).ok
+    report = _chunks_check(mm.configured_chunk, num_stages=4, schedule="interleaved", stages_per_rank=2)
+    assert report.ok  # the chunk's own batch_p2p_comm=False reached Megatron's schedule: no false alarm
+    assert any("batch_p2p_comm=False (the chunk's TransformerConfig)" in note for note in report.notes), report.notes
+
+
+MEGATRON_ONLY = ("not-3d", "not-contiguous", "needs-parallel-state")  # refused by running the chunks or Megatron
+
+
 @pytest.mark.parametrize("provider,options,error,message", [
-    pytest.param(mm.flat_chunk, {}, pc.EngineError, "chunk 0 returns a float32 tensor of shape (2, 8)", id="not-3d"),
+    pytest.param(mm.flat_chunk, {}, pc.EngineError, "chunk 0 returns a tensor of shape [2, 8]", id="not-3d"),
     pytest.param(mm.strided_chunk, {}, pc.EngineError, "chunk 0 returns a tensor that is not contiguous",
                  id="not-contiguous"),
-    pytest.param(mm.plain_module, {}, pc.InputError, "need an nn.Module with set_input_tensor", id="not-a-chunk"),
     pytest.param(mm.needs_parallel_state, {}, pc.InputError, "where Megatron's process groups do not exist",
                  id="needs-parallel-state"),
-    pytest.param(mm.flat_chunk, {"schedule": "interleaved", "stages_per_rank": 2}, pc.InputError,
+    pytest.param(mm.plain_module, {}, pc.InputError, "need an nn.Module with set_input_tensor", id="not-a-chunk"),
+    pytest.param(mm.one_sided_tie, {}, pc.InputError,
+                 "share_embeddings_and_output_weights is True on the first chunk and False on the last",
+                 id="one-sided-tie"),
+    pytest.param(mm.flat_chunk, {"num_stages": 4, "schedule": "interleaved", "stages_per_rank": 2}, pc.InputError,
                  "cannot be called as Megatron calls it, with pre_process, post_process, vp_stage", id="no-vp-stage"),
     pytest.param(mm.gpt_chunk, {"num_stages": 1}, pc.InputError, "num_stages=1 must be an int of at least 2",
                  id="one-stage"),
+    pytest.param(mm.gpt_chunk, {"stages_per_rank": 0}, pc.InputError, "stages_per_rank=0 must be an int",
+                 id="no-stages-per-rank"),
+    pytest.param(mm.gpt_chunk, {"schedule": "interleaved", "stages_per_rank": 2}, pc.InputError,
+                 "over 2 or more pipeline ranks", id="one-pipeline-rank"),
 ])
 def test_chunks_megatron_cannot_run_are_refused_before_any_rank_starts(provider: object, options: dict,
-                                                                       error: type[Exception], message: str) -> None:
-    if importlib.util.find_spec("megatron") is None and provider in (mm.flat_chunk, mm.strided_chunk,
-                                                                       mm.needs_parallel_state):
+                                                                       error: type[Exception], message: str,
+                                                                       request: pytest.FixtureRequest) -> None:
+    if importlib.util.find_spec("megatron") is None and request.node.callspec.id in MEGATRON_ONLY:
         pytest.skip('needs megatron-core: pip install "pipecheck[megatron]"')
-    options = {"num_stages": 4 if "stages_per_rank" in options else 2, **options}
     with pytest.raises(error, match=re.escape(message)):
         _chunks_check(provider, **options)
 

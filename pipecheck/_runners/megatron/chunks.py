@@ -38,7 +38,7 @@ from pipecheck._runners.megatron.chunks_rank import (
     chunks_rank_step,
     run_chunk,
 )
-from pipecheck._runners.megatron.driver import MegatronRunner
+from pipecheck._runners.megatron.driver import MegatronRunner, pipeline_dtype, unsendable
 from pipecheck._runners.megatron.rank import ENGINE
 from pipecheck._runtime.boundaries import Boundaries, chain_producers, instrument_module
 from pipecheck._split.markers import pipe_split
@@ -60,12 +60,12 @@ class MegatronChunkList(nn.Module):
         for stage in range(num_stages):
             self.add_module(str(stage), build_chunk(provider, stage, num_stages, ranks, stages_per_rank))
         self.num_stages = num_stages
-        self.tied = _tie(self.chunk(0), self.chunk(num_stages - 1)) if num_stages > 1 else None
+        _tie(self.chunk(0), self.chunk(num_stages - 1))
 
     def chunk(self, stage: int) -> nn.Module:
         return self.get_submodule(str(stage))
 
-    def forward(self, inputs: Any) -> Any:
+    def forward(self, *inputs: Any) -> Any:
         x = None
         for stage in range(self.num_stages):
             if stage:
@@ -74,12 +74,17 @@ class MegatronChunkList(nn.Module):
         return x
 
 
-def _tie(first: nn.Module, last: nn.Module) -> str | None:
+def _tie(first: nn.Module, last: nn.Module) -> None:
     """The last chunk's shared output weight replaced by the first chunk's embedding weight, where
-    both chunks say they share it; the last chunk's own name for it, or None."""
-    if not (getattr(first, "share_embeddings_and_output_weights", False)
-            and getattr(last, "share_embeddings_and_output_weights", False)):
-        return None
+    both chunks say they share it (one saying so alone is refused: finalize_model_grads would wait
+    for a partner that never comes)."""
+    shares = [bool(getattr(chunk, "share_embeddings_and_output_weights", False)) for chunk in (first, last)]
+    if shares[0] != shares[1]:
+        raise InputError(f"share_embeddings_and_output_weights is {shares[0]} on the first chunk and {shares[1]} on "
+                         "the last: finalize_model_grads all-reduces the shared weight between the two, and one "
+                         "alone would wait for the other (a hang on NCCL). Fix: set it alike on both.")
+    if not shares[0]:
+        return
     getter_first = getattr(first, "shared_embedding_or_output_weight", None)
     getter_last = getattr(last, "shared_embedding_or_output_weight", None)
     if not (callable(getter_first) and callable(getter_last)):
@@ -96,7 +101,6 @@ def _tie(first: nn.Module, last: nn.Module) -> str | None:
     name = next(local for local, param in last.named_parameters() if param is replica)
     owner, _, attr = name.rpartition(".")
     setattr(last.get_submodule(owner), attr, weight)
-    return name
 
 
 def _described(value: Any) -> str:
@@ -111,11 +115,16 @@ def build_chunk_list(provider: Provider, num_stages: int, stages_per_rank: int) 
 class MegatronChunksRunner(MegatronRunner):
     """Megatron's schedules on a user's own chunks; the job's model must be its :class:`MegatronChunkList`."""
 
-    def __init__(self, provider: Provider, num_stages: int, **config: Any) -> None:
+    def __init__(self, provider: Provider, num_stages: int, stages_per_rank: int = 1, **config: Any) -> None:
         super().__init__(**config)
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 2:
             raise InputError(f"num_stages={num_stages!r} must be an int of at least 2: Megatron's pipeline "
                              "schedules run two or more chunks.")
+        if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1 \
+                or num_stages % stages_per_rank or num_stages // stages_per_rank < 2:
+            raise InputError(f"stages_per_rank={stages_per_rank!r} must be an int that splits num_stages={num_stages} "
+                             "over 2 or more pipeline ranks: Megatron's schedules need a pipeline of at least 2 "
+                             "ranks.")
         if not callable(provider):
             raise InputError(f"model_provider={provider!r} must be a function that builds one chunk: "
                              "model_provider(pre_process, post_process) (and vp_stage for the interleaved schedule).")
@@ -126,13 +135,13 @@ class MegatronChunksRunner(MegatronRunner):
     def plan(self, job: Job, pipe: Pipe) -> ChunksPlan:  # type: ignore[override]
         self.refuse_job(job, self.num_stages)
         reference = job.build_model()
-        if not isinstance(reference, MegatronChunkList):
+        if not isinstance(reference, MegatronChunkList) or reference.num_stages != self.num_stages:
             raise InputError("MegatronChunksRunner checks a provider's chunks against its MegatronChunkList; use "
                              "pc.engines.megatron.check_chunks(model_provider, inputs, num_stages=...).")
         states, fqns = _named_by_stage(reference)  # before the dry run (it may change buffers)
         shape, dtype = _sent_shape(reference, job)
         return ChunksPlan(self.provider, self.num_stages, job.stages_per_rank, states, fqns,
-                          job.args[0], job.loss_fn, job.target, job.n_microbatches, shape, dtype, dict(self.config),
+                          job.args, job.loss_fn, job.target, job.n_microbatches, shape, dtype, dict(self.config),
                           record=job.boundaries is not None)
 
     def n_ranks(self, job: Job, pipe: Pipe, plan: Any) -> int:
@@ -140,7 +149,6 @@ class MegatronChunksRunner(MegatronRunner):
 
     def merge(self, job: Job, pipe: Pipe, plan: Any, reports: Sequence[Any]) -> StepResult:
         step = super().merge(job, pipe, plan, reports)
-        step.input_grads = {}  # Megatron's first chunk gets its inputs from the data iterator: no gradient
         step.notes[-1] += " on the provider's own chunks, wrapped in its DistributedDataParallel"
         return step
 
@@ -156,7 +164,7 @@ class MegatronChunksRunner(MegatronRunner):
             instrument_module(module, stage, ["input"], ["output"], truth)
         n = job.n_microbatches
         loss_of = MicrobatchLoss(job.loss_fn, job.target, n)
-        for mb, inputs in enumerate(split_microbatches(job.args[0], n)):
+        for mb, inputs in enumerate(split_microbatches(job.args, n)):
             x = None
             for module in stages:
                 x = module(x, inputs)
@@ -179,33 +187,29 @@ def _named_by_stage(reference: MegatronChunkList) -> tuple[tuple[dict[str, torch
     return tuple(states), tuple(fqns)
 
 
-def _sent_shape(reference: MegatronChunkList, job: Job) -> tuple[tuple[int, int, int] | None, str]:
-    """The one [seq, micro-batch, hidden] shape every chunk sends, from every micro-batch run through
-    a private copy of the chunks here: Megatron's receive buffers have that one shape and dtype."""
+def _sent_shape(reference: MegatronChunkList, job: Job) -> tuple[tuple[int, int, int], str]:
+    """The one [seq, micro-batch, hidden] shape every chunk sends, and its dtype, from every
+    micro-batch run through a private copy of the chunks here: Megatron's receive buffers have that
+    one shape and dtype."""
     chunks = [copy.deepcopy(reference.chunk(s)) for s in range(reference.num_stages - 1)]
     shapes: dict[tuple[int, ...], list[str]] = {}
     dtypes: set[torch.dtype] = set()
-    for mb, inputs in enumerate(split_microbatches(job.args[0], job.n_microbatches)):
+    for mb, inputs in enumerate(split_microbatches(job.args, job.n_microbatches)):
         x = None
         for stage, chunk in enumerate(chunks):
             x = run_chunk(chunk, x, inputs)
-            if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad and x.dim() == 3):
-                what = (f"a {str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
-                        + ("" if x.requires_grad else " that needs no gradient")
-                        if isinstance(x, torch.Tensor) else type(x).__name__)
-                raise EngineError(f"{ENGINE} cannot run these chunks: chunk {stage} returns {what} (micro-batch "
-                                  f"{mb}), and Megatron's schedules send one floating tensor of shape [seq, "
-                                  "micro_batch, hidden] that needs a gradient between chunks. Fix: return the "
-                                  "hidden states as [seq, batch, hidden], as Megatron's own chunks do.",
-                                  engine=ENGINE, rank=stage % (reference.num_stages // job.stages_per_rank),
+            problem = unsendable(x)
+            if problem is None and (x.dim() != 3 or not x.is_contiguous()):
+                problem = (f"a tensor of shape {list(x.shape)}" if x.dim() != 3 else
+                           f"a tensor that is not contiguous (shape {list(x.shape)}, strides {list(x.stride())}; "
+                           "torch.distributed sends only contiguous tensors, gloo and NCCL alike)")
+            if problem is not None:
+                raise EngineError(f"{ENGINE} cannot run these chunks: chunk {stage} returns {problem} (micro-batch "
+                                  f"{mb}), and Megatron's schedules send one contiguous floating tensor of shape "
+                                  "[seq, micro_batch, hidden] that needs a gradient between chunks. Fix: return the "
+                                  "hidden states as a contiguous [seq, batch, hidden] tensor, as Megatron's own "
+                                  "chunks do.", engine=ENGINE, rank=stage % (reference.num_stages // job.stages_per_rank),
                                   stage=stage)
-            if not x.is_contiguous():
-                raise EngineError(f"{ENGINE} cannot run these chunks: chunk {stage} returns a tensor that is not "
-                                  f"contiguous (shape {list(x.shape)}, strides {list(x.stride())}), and "
-                                  "torch.distributed sends only contiguous tensors (gloo and NCCL alike: 'input "
-                                  "tensor has to be contiguous'). Fix: return hidden.contiguous(), as Megatron's "
-                                  "own chunks do.", engine=ENGINE,
-                                  rank=stage % (reference.num_stages // job.stages_per_rank), stage=stage)
             shapes.setdefault(tuple(x.shape), []).append(f"chunk {stage}, micro-batch {mb}")
             dtypes.add(x.dtype)
     if len(shapes) > 1:
@@ -215,24 +219,20 @@ def _sent_shape(reference: MegatronChunkList, job: Job) -> tuple[tuple[int, int,
                           "and Megatron's receive buffers have one shape, [seq_length, micro_batch_size, "
                           "hidden_size]. Fix: micro-batches of one shape and chunks that send one hidden size.",
                           engine=ENGINE)
-    if len(dtypes) > 1:
-        raise EngineError(f"{ENGINE} cannot run these chunks: they send {sorted(map(str, dtypes))}, and Megatron's "
-                          "pipeline has one dtype (pipeline_dtype).", engine=ENGINE)
-    shape = next(iter(shapes)) if shapes else None
-    dtype = str(next(iter(dtypes))).removeprefix("torch.") if dtypes else "float32"
-    return (tuple(shape) if shape is not None else None), dtype  # type: ignore[return-value]
+    seq, mbs, hidden = next(iter(shapes))
+    return (seq, mbs, hidden), pipeline_dtype(dtypes, "these chunks")
 
 
 def chunk_list_factory(provider: Provider, num_stages: int, stages_per_rank: int) -> Callable[[], MegatronChunkList]:
     """The model factory ``assert_equivalent`` builds the reference with; a provider that cannot be
     called with Megatron's arguments is refused here, naming them."""
+    flags = chunk_flags(0, num_stages, num_stages // max(stages_per_rank, 1), stages_per_rank)
     try:
-        inspect.signature(provider).bind(**chunk_flags(0, num_stages, num_stages // max(stages_per_rank, 1),
-                                                       stages_per_rank))
+        inspect.signature(provider).bind(**flags)
     except TypeError as err:
-        raise InputError(f"the model provider cannot be called as Megatron calls it, with "
-                         f"{', '.join(chunk_flags(0, 2, 1, stages_per_rank))} ({err}). Fix: def "
-                         "model_provider(pre_process=True, post_process=True, vp_stage=None).") from None
+        raise InputError(f"the model provider cannot be called as Megatron calls it, with {', '.join(flags)} "
+                         f"({err}). Fix: def model_provider(pre_process=True, post_process=True, "
+                         "vp_stage=None).") from None
     except ValueError:  # no signature to read (a builtin): called as it is
         pass
     return functools.partial(build_chunk_list, provider, num_stages, stages_per_rank)

@@ -13,23 +13,27 @@ groups are all destroyed after the step.
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from pipecheck._runners.megatron.rank import (
     KNOBS,
+    LastStage,
     MegatronRankResult,
-    _import_megatron,
     _teardown,
+    by_name,
     cpu_shims,
+    initialize_megatron,
+    my_stages,
+    run_schedule,
+    transformer_config,
 )
-from pipecheck._runners.rank_side import prepare_together
+from pipecheck._runners.rank_side import buffers_by_fqn, grads_by_fqn, prepare_together
 from pipecheck._runtime.boundaries import Boundaries, instrument_module
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import split_microbatches
@@ -50,11 +54,11 @@ class ChunksPlan:
     stages_per_rank: int
     states: tuple[dict[str, torch.Tensor], ...]  # stage -> the chunk's state dict (its own names)
     fqns: tuple[dict[str, str], ...]  # stage -> the chunk's parameter and buffer names -> the reference's
-    inputs: Any  # the first chunk's inputs for the whole batch (a tensor or a tuple)
+    inputs: tuple[Any, ...]  # every chunk's arguments, for the whole batch
     loss_fn: Any
     target: Any
     n_microbatches: int
-    shape: tuple[int, int, int] | None  # [seq, micro-batch, hidden], what every stage sends
+    shape: tuple[int, int, int]  # [seq, micro-batch, hidden], what every stage sends
     dtype: str  # what every stage sends (Megatron's pipeline_dtype)
     config: dict[str, Any]  # Megatron's TransformerConfig knobs the user set
     record: bool = False  # record boundary values (a failing check's second run)
@@ -89,12 +93,12 @@ def build_chunk(provider: Provider, stage: int, num_stages: int, ranks: int, sta
     return chunk
 
 
-def run_chunk(chunk: nn.Module, received: Any, inputs: Any) -> Any:
+def run_chunk(chunk: nn.Module, received: Any, inputs: tuple[Any, ...]) -> Any:
     """One chunk as Megatron's schedule runs it: ``set_input_tensor([received])`` (``[None]`` on the
     first stage), then the micro-batch's inputs as its arguments; the received value is let go after."""
     chunk.set_input_tensor([received])  # type: ignore[operator]
     try:
-        return chunk(*inputs) if isinstance(inputs, tuple) else chunk(inputs)
+        return chunk(*inputs)
     finally:
         chunk.set_input_tensor([None])  # type: ignore[operator]
 
@@ -113,7 +117,7 @@ class ChunkStage(nn.Module):
     def set_input_tensor(self, input_tensor: Any) -> None:
         self.received = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
 
-    def forward(self, received: Any, inputs: Any) -> Any:
+    def forward(self, received: Any, inputs: tuple[Any, ...]) -> Any:
         return run_chunk(self.module, received, inputs)
 
 
@@ -129,32 +133,21 @@ def chunks_rank_step(ctx: RankContext, plan: ChunksPlan) -> MegatronRankResult:
     return result
 
 
-def _prepare(ctx: RankContext, plan: ChunksPlan) -> tuple[list[int], list[ChunkStage], list[Any], Any,
+def _prepare(ctx: RankContext, plan: ChunksPlan) -> tuple[list[int], list[ChunkStage], list[Any], Any, dict[str, str],
                                                          Boundaries | None]:
-    ctx.action = "import megatron.core"
-    _import_megatron()
+    pp, vp = initialize_megatron(ctx, plan.stages_per_rank)  # imports Megatron quietly first
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.enums import ModelType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    pp = ctx.world_size
-    vp = plan.stages_per_rank if plan.stages_per_rank > 1 else None
-    ctx.action = "parallel_state.initialize_model_parallel"
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vp,
-                                             create_gloo_process_groups=False)
-    mine = [k * pp + ctx.rank for k in range(plan.stages_per_rank)]
-    seq, mbs, hidden = plan.shape or (1, 1, 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = TransformerConfig(num_layers=plan.num_stages, hidden_size=hidden, num_attention_heads=1,
-                                   pipeline_dtype=getattr(torch, plan.dtype), pipeline_model_parallel_size=pp,
-                                   virtual_pipeline_model_parallel_size=vp, **plan.config)
-    stages, wrapped = [], []
+    mine = my_stages(ctx, plan.stages_per_rank)
+    stages, wrapped, configs = [], [], []
     recorder = Boundaries() if plan.record else None
     for s in mine:
         ctx.stage, ctx.action = s, f"the model provider (stage {s})"
+        flags = chunk_flags(s, plan.num_stages, pp, plan.stages_per_rank)
+        _agree_with_megatron(parallel_state, s, flags)
         chunk = build_chunk(plan.provider, s, plan.num_stages, pp, plan.stages_per_rank)
         ctx.action = f"load the reference's weights (stage {s})"
         _load(chunk, plan.states[s])
@@ -162,22 +155,40 @@ def _prepare(ctx: RankContext, plan: ChunksPlan) -> tuple[list[int], list[ChunkS
         stage = ChunkStage(chunk)
         if not hasattr(chunk, "model_type"):
             stage.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules read off a chunk
+        own = getattr(chunk, "config", None)
+        configs.append(transformer_config(plan.config, num_layers=plan.num_stages, hidden_size=plan.shape[2],
+                                          dtype=plan.dtype, pp=pp, vp=vp,
+                                          base=own if isinstance(own, TransformerConfig) else None))
         if recorder is not None:
             instrument_module(stage, s, ["input"], ["output"], recorder)
         ctx.action = f"Megatron's DistributedDataParallel (stage {s})"
         with cpu_shims(ctx.device):
-            wrapped.append(DistributedDataParallel(config, DistributedDataParallelConfig(), stage))
+            wrapped.append(DistributedDataParallel(configs[-1], DistributedDataParallelConfig(), stage))
         stages.append(stage)
-    return mine, stages, wrapped, config, recorder
+    own_config = isinstance(getattr(stages[0].module, "config", None), TransformerConfig)
+    defaults = {field.name: field.default for field in dataclasses.fields(TransformerConfig)}
+    origins = {knob: "the chunk's TransformerConfig" for knob in KNOBS
+               if own_config and knob not in plan.config and getattr(configs[0], knob, None) != defaults.get(knob)}
+    return mine, stages, wrapped, configs[0], origins, recorder
+
+
+def _agree_with_megatron(parallel_state: Any, stage: int, flags: dict[str, Any]) -> None:
+    """The chunk's flags as Megatron's own parallel_state says them for this rank's chunk: its first
+    and last pipeline stage (virtual stages counted)."""
+    vp_stage = flags.get("vp_stage")
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if (first, last) != (flags["pre_process"], flags["post_process"]):
+        raise RuntimeError(f"pipecheck's flags for stage {stage} ({flags}) disagree with Megatron's parallel_state "
+                           f"(first stage {first}, last stage {last}). This is a pipecheck bug; please report it.")
 
 
 def _load(chunk: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """The reference's weights, so the ranks start where it does (a tied output weight: the
     embedding's value, which the reference's last chunk holds). A chunk the provider builds here
     with other names than in the driver's process is refused."""
-    own = chunk.state_dict(keep_vars=True)
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
+    own = {name: t for name, t in chunk.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise RuntimeError(f"the model provider built a chunk here whose state differs from the one it built in "
                            f"the driver's process (missing {missing}, unexpected {unexpected}): the provider must "
@@ -188,57 +199,24 @@ def _load(chunk: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def _step(ctx: RankContext, plan: ChunksPlan, mine: list[int], stages: list[ChunkStage], wrapped: list[Any],
-          config: Any, recorder: Boundaries | None, result: MegatronRankResult) -> None:
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+          config: Any, origins: dict[str, str], recorder: Boundaries | None, result: MegatronRankResult) -> None:
     n = plan.n_microbatches
-    inputs = cast_inputs(plan.inputs, None, ctx.device)
-    microbatches = split_microbatches(inputs, n)
-    loss_of = MicrobatchLoss(plan.loss_fn, cast_inputs(plan.target, None, ctx.device), n)
-    outputs: dict[int, Any] = {}
-    losses: dict[int, torch.Tensor] = {}
-    last = plan.num_stages - 1
+    microbatches = split_microbatches(cast_inputs(plan.inputs, None, ctx.device), n)
+    last = LastStage(MicrobatchLoss(plan.loss_fn, cast_inputs(plan.target, None, ctx.device), n))
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
         k = wrapped.index(model)
-        stage, s = stages[k], mine[k]
-        ctx.stage, ctx.action = s, f"{s}F{mb} (Megatron)"
-        out = model(stage.received, microbatches[mb])
-        if s != last:
-            return out, None
-        loss = loss_of(mb, out)
-        outputs[mb] = pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, out)
-        losses[mb] = loss.detach().cpu().reshape(()).clone()
-        # Megatron divides what loss_func returns by the number of micro-batches, in place: a copy
-        return loss, lambda value: (value.clone(), {"loss": value.detach().clone()})
+        ctx.stage, ctx.action = mine[k], f"{mine[k]}F{mb} (Megatron)"
+        out = model(stages[k].received, microbatches[mb])
+        return (out, None) if mine[k] != plan.num_stages - 1 else last(mb, out)
 
-    seq, mbs, _hidden = plan.shape or (1, 1, 1)
-    iterators = [iter(range(n)) for _ in wrapped]
-    ctx.action = "forward_backward_func"
-    with cpu_shims(ctx.device):
-        get_forward_backward_func()(forward_step_func=forward_step,
-                                    data_iterator=iterators if len(wrapped) > 1 else iterators[0],
-                                    model=wrapped if len(wrapped) > 1 else wrapped[0], num_microbatches=n,
-                                    seq_length=seq, micro_batch_size=mbs, decoder_seq_length=None,
-                                    forward_only=False)
-        ctx.action = "finalize_model_grads"
-        finalize_model_grads(wrapped)
-    ctx.action = "collect grads"
-    result.config = {knob: getattr(config, knob) for knob in KNOBS if hasattr(config, knob)}
-    result.outputs = [outputs[mb] for mb in sorted(outputs)]
-    result.losses = [losses[mb] for mb in sorted(losses)]
+    seq, mbs, _ = plan.shape
+    run_schedule(ctx, forward_step, wrapped, n, seq_length=seq, micro_batch_size=mbs)
+    last.report(result, config, origins)
     for stage, s in zip(stages, mine):
-        names = plan.fqns[s]
-        grads: dict[str, torch.Tensor] = {}
-        for local, param in stage.module.named_parameters():
-            grad = getattr(param, "main_grad", None)
-            grad = param.grad if grad is None else grad
-            if grad is not None:
-                grads[names[local]] = grad.detach().cpu().clone()
-        result.stage_grads[s] = grads
-        result.buffers[s] = {names[local]: b.detach().cpu().clone() for local, b in stage.module.named_buffers()
-                             if local in names}
+        result.stage_grads[s], unmapped = grads_by_fqn(stage.module, by_name(plan.fqns[s]), "main_grad")
+        result.unmapped += unmapped
+        result.buffers[s] = buffers_by_fqn(stage.module, by_name(plan.fqns[s]))
     if recorder is not None:
         result.boundaries = recorder.exported()

@@ -42,6 +42,7 @@ from pipecheck._split.microbatch import merge_microbatches, split_microbatches, 
 from pipecheck._split.pipe import Pipe
 from pipecheck.errors import EngineError, InputError, plural
 
+DEFAULT_ORIGIN = "Megatron's default"
 SCHEDULES = {"1f1b": "forward_backward_pipelining_without_interleaving",
              "interleaved": "forward_backward_pipelining_with_interleaving"}
 
@@ -69,6 +70,9 @@ class MegatronRunner(EngineRunner):
                             "1F1B with one stage per rank and the interleaved schedule with several")
         if num_stages % job.stages_per_rank:
             problems.append(f"{plural(num_stages, 'stage')} do not split into {job.stages_per_rank} per rank")
+        elif num_stages // job.stages_per_rank < 2:
+            problems.append(f"{plural(num_stages, 'stage')} at {job.stages_per_rank} per rank make a pipeline of one "
+                            "rank, and Megatron's pipeline schedules need 2 or more")
         if problems:
             raise InputError(f"{self.label} cannot run this job: " + "; ".join(problems) + ".")
 
@@ -109,7 +113,9 @@ class MegatronRunner(EngineRunner):
                 input_grads[name] = input_grads[name] + grad if name in input_grads else grad
         step = merge_reports(pipe, reports, outputs=merge_microbatches(last.outputs),
                              loss=torch.stack(last.losses).mean(), input_grads=input_grads)
-        knobs = ", ".join(f"{knob}={value!r}" + ("" if knob in self.config else " (Megatron's default)")
+        origins = reports[0].config_origins  # a knob the user did not set: Megatron's default, or the chunk's own
+        knobs = ", ".join(f"{knob}={value!r}" + ("" if knob in self.config else
+                                                 f" ({origins.get(knob, DEFAULT_ORIGIN)})")
                           for knob, value in reports[0].config.items())
         step.notes.append(f"{ENGINE} {_version()} ran {SCHEDULES[str(_schedule_key(job))]} with "
                           f"TransformerConfig {knobs}")
@@ -151,12 +157,13 @@ def _boundaries(job: Job) -> tuple[list[int], str]:
             out = tuple(stage.module(*[produced[(src.stage, src.name)] for src in stage.inputs]))
             produced.update(zip(((stage.index, name) for name in stage.outputs), out))
             sent = out[0] if len(out) == 1 else None
-            if not (isinstance(sent, torch.Tensor) and sent.is_floating_point() and sent.requires_grad):
-                what = type(sent).__name__ if len(out) == 1 else f"{len(out)} values"
-                raise EngineError(f"{ENGINE} cannot run this split: stage {stage.index} sends {what} "
+            problem = unsendable(sent) if len(out) == 1 else f"{len(out)} values"
+            if problem is not None:
+                raise EngineError(f"{ENGINE} cannot run this split: stage {stage.index} sends {problem} "
                                   f"({', '.join(stage.outputs)}), and Megatron passes one floating tensor that needs "
                                   "a gradient between stages. Fix: cut elsewhere.", engine=ENGINE,
                                   rank=stage.index, stage=stage.index)
+            assert isinstance(sent, torch.Tensor)
             shapes.setdefault(stage.index, set()).add(tuple(sent.shape))
             dtypes.add(sent.dtype)
     changing = {s: sorted(found) for s, found in shapes.items() if len(found) > 1}
@@ -164,12 +171,26 @@ def _boundaries(job: Job) -> tuple[list[int], str]:
         raise EngineError(f"{ENGINE} cannot run this split: what stage(s) {sorted(changing)} send changes shape "
                           f"between micro-batches ({changing}), and Megatron's receive buffers have one size. Fix: "
                           "micro-batches of one shape.", engine=ENGINE)
-    if len(dtypes) > 1:
-        raise EngineError(f"{ENGINE} cannot run this split: the stages send {sorted(map(str, dtypes))}, and "
-                          "Megatron's pipeline has one dtype (pipeline_dtype).", engine=ENGINE)
     numel = [int(torch.Size(next(iter(shapes[s]))).numel()) for s in sorted(shapes)]
-    dtype = str(next(iter(dtypes))).removeprefix("torch.") if dtypes else "float32"
-    return numel, dtype
+    return numel, pipeline_dtype(dtypes, "this split")
+
+
+def unsendable(value: Any) -> str | None:
+    """What ``value`` is, where Megatron's p2p cannot carry it (it passes one floating tensor that
+    needs a gradient); None where it can."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    if not value.is_floating_point():
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor"
+    return None if value.requires_grad else "a tensor that needs no gradient"
+
+
+def pipeline_dtype(dtypes: set[torch.dtype], what: str) -> str:
+    """The one dtype the stages send (Megatron's ``pipeline_dtype``), e.g. "float32"."""
+    if len(dtypes) > 1:
+        raise EngineError(f"{ENGINE} cannot run {what}: the stages send {sorted(map(str, dtypes))}, and Megatron's "
+                          "pipeline has one dtype (pipeline_dtype).", engine=ENGINE)
+    return str(next(iter(dtypes))).removeprefix("torch.") if dtypes else "float32"
 
 
 def _schedule_key(job: Job) -> str | None:

@@ -71,6 +71,7 @@ class MegatronRankResult(RankReport):
     losses: list[torch.Tensor] = field(default_factory=list)
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)  # the knobs that change numerics or communication
+    config_origins: dict[str, str] = field(default_factory=dict)  # a knob -> where its value came from
 
 
 # Megatron's TransformerConfig knobs a report names (with their values, Megatron's defaults or the user's).
@@ -185,25 +186,13 @@ class _Prepared:
 
 
 def _prepare(ctx: RankContext, plan: MegatronPlan) -> _Prepared:
-    ctx.action = "import megatron.core"
-    _import_megatron()
-    from megatron.core import parallel_state
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    pp = ctx.world_size
-    vp = plan.stages_per_rank if plan.stages_per_rank > 1 else None
-    ctx.action = "parallel_state.initialize_model_parallel"
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vp,
-                                             create_gloo_process_groups=False)
+    pp, vp = initialize_megatron(ctx, plan.stages_per_rank)
     ctx.action = "split"
     pipe = plan.split_on(ctx.device)
-    mine = [k * pp + ctx.rank for k in range(plan.stages_per_rank)]
+    mine = my_stages(ctx, plan.stages_per_rank)
     ctx.stage = mine[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = TransformerConfig(num_layers=pipe.num_stages, hidden_size=1, num_attention_heads=1,
-                                   pipeline_dtype=getattr(torch, plan.dtype), pipeline_model_parallel_size=pp,
-                                   virtual_pipeline_model_parallel_size=vp, **plan.config)
+    config = transformer_config(plan.config, num_layers=pipe.num_stages, hidden_size=1, dtype=plan.dtype, pp=pp,
+                                vp=vp)
     chunks = [MegatronChunk(pipe.stages[s], pipe.num_stages, config, plan) for s in mine]
     inputs = cast_inputs(pipe.bind_inputs(plan.args, plan.kwargs), None, ctx.device)
     microbatches = [unwrap_replicated(mb) for mb in split_microbatches(inputs, plan.n_microbatches)]
@@ -230,13 +219,8 @@ def _received_shapes(pipe: Pipe, first: dict[str, Any], mine: list[int]) -> dict
 
 
 def _step(ctx: RankContext, plan: MegatronPlan, prep: _Prepared, result: MegatronRankResult) -> None:
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     n = plan.n_microbatches
-    loss_of = MicrobatchLoss(plan.loss_fn, cast_inputs(plan.target, None, ctx.device), n)
-    outputs: dict[int, Any] = {}
-    losses: dict[int, torch.Tensor] = {}
+    last = LastStage(MicrobatchLoss(plan.loss_fn, cast_inputs(plan.target, None, ctx.device), n))
 
     def forward_step(data_iterator: Any, chunk: MegatronChunk) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
@@ -246,12 +230,7 @@ def _step(ctx: RankContext, plan: MegatronPlan, prep: _Prepared, result: Megatro
             # a tensor of its own: gloo sends contiguous tensors only, and deallocate_pipeline_outputs=True
             # frees what was sent (Megatron refuses to free a view)
             return out[0].reshape(-1, 1, 1).clone(), None
-        model_out = pytree.tree_unflatten(list(out), prep.pipe.out_spec)
-        loss = loss_of(mb, model_out)
-        outputs[mb] = pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, model_out)
-        losses[mb] = loss.detach().cpu().reshape(()).clone()
-        # Megatron divides what loss_func returns by the number of micro-batches, in place: a copy
-        return loss, lambda value: (value.clone(), {"loss": value.detach().clone()})
+        return last(mb, pytree.tree_unflatten(list(out), prep.pipe.out_spec))
 
     numel = max(plan.boundary_numel, default=1)
     kwargs: dict[str, Any] = {}
@@ -260,22 +239,10 @@ def _step(ctx: RankContext, plan: MegatronPlan, prep: _Prepared, result: Megatro
         recv = (plan.boundary_numel[mine - 1], 1, 1) if mine else (numel, 1, 1)
         send = (plan.boundary_numel[mine], 1, 1) if mine < len(plan.boundary_numel) else recv
         kwargs["adjust_tensor_shapes_fn"] = lambda recv_shapes, send_shapes: ([recv], [send])
-    model: Any = prep.chunks if plan.stages_per_rank > 1 else prep.chunks[0]
-    iterators: Any = [iter(range(n)) for _ in prep.chunks]
-    ctx.action = "forward_backward_func"
-    with cpu_shims(ctx.device):
-        get_forward_backward_func()(forward_step_func=forward_step,
-                                    data_iterator=iterators if plan.stages_per_rank > 1 else iterators[0],
-                                    model=model, num_microbatches=n, seq_length=numel, micro_batch_size=1,
-                                    decoder_seq_length=None, forward_only=False, **kwargs)
-    ctx.action = "finalize_model_grads"
-    finalize_model_grads(list(prep.chunks))
-    ctx.action = "collect grads"
-    result.config = {knob: getattr(prep.config, knob) for knob in KNOBS if hasattr(prep.config, knob)}
-    result.outputs = [outputs[mb] for mb in sorted(outputs)]
-    result.losses = [losses[mb] for mb in sorted(losses)]
+    run_schedule(ctx, forward_step, list(prep.chunks), n, seq_length=numel, micro_batch_size=1, **kwargs)
+    last.report(result, prep.config)
     for chunk in prep.chunks:
-        params, buffers = _by_name(chunk.stage.local_to_fqn), _by_name(chunk.stage.buffer_fqns)
+        params, buffers = by_name(chunk.stage.local_to_fqn), by_name(chunk.stage.buffer_fqns)
         result.stage_grads[chunk.stage.index], unmapped = grads_by_fqn(chunk.module, params)
         result.unmapped += unmapped
         result.buffers[chunk.stage.index] = buffers_by_fqn(chunk.module, buffers)
@@ -284,6 +251,95 @@ def _step(ctx: RankContext, plan: MegatronPlan, prep: _Prepared, result: Megatro
                           if isinstance(value, torch.Tensor) and value.grad is not None}
     if prep.recorder is not None:
         result.boundaries = prep.recorder.exported()
+
+
+# --- what both Megatron rank steps share (pipecheck's split as chunks, and a user's own chunks) -------
+
+def initialize_megatron(ctx: RankContext, stages_per_rank: int) -> tuple[int, int | None]:
+    """Megatron Core imported and its ``parallel_state`` initialised on the World's ranks, one
+    pipeline of them: the pipeline size and the virtual one (None without interleaving)."""
+    ctx.action = "import megatron.core"
+    _import_megatron()
+    from megatron.core import parallel_state
+
+    pp, vp = ctx.world_size, (stages_per_rank if stages_per_rank > 1 else None)
+    ctx.action = "parallel_state.initialize_model_parallel"
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vp,
+                                             create_gloo_process_groups=False)
+    return pp, vp
+
+
+def my_stages(ctx: RankContext, stages_per_rank: int) -> list[int]:
+    """This rank's stages, as Megatron lays chunks out: chunk ``k`` of pipeline rank ``r`` is stage
+    ``k * p + r``."""
+    return [k * ctx.world_size + ctx.rank for k in range(stages_per_rank)]
+
+
+def transformer_config(knobs: dict[str, Any], *, num_layers: int, hidden_size: int, dtype: str, pp: int,
+                       vp: int | None, base: Any = None) -> Any:
+    """The ``TransformerConfig`` Megatron's schedules read: ``base`` (a chunk's own, its pipeline
+    sizes set to this pipeline's) or a new one, with the user's knobs over it."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its __post_init__ warns about settings a CPU check does not use
+        if base is not None:  # the chunk's own settings, laid out as this pipeline runs
+            layout = {"pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": vp}
+            if base.pipeline_dtype is None:
+                layout["pipeline_dtype"] = getattr(torch, dtype)
+            if getattr(base, "microbatch_group_size_per_vp_stage", None) == base.pipeline_model_parallel_size:
+                layout["microbatch_group_size_per_vp_stage"] = None  # derived from the pipeline size: again
+            return dataclasses.replace(base, **layout, **knobs)
+        return TransformerConfig(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=1,
+                                 pipeline_dtype=getattr(torch, dtype), pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp, **knobs)
+
+
+class LastStage:
+    """The last stage's side of ``forward_step``: each micro-batch's loss and what Megatron's
+    ``loss_func`` returns, its output and loss kept for the report."""
+
+    def __init__(self, loss_of: MicrobatchLoss) -> None:
+        self.loss_of = loss_of
+        self.outputs: dict[int, Any] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+
+    def __call__(self, mb: int, model_out: Any) -> tuple[torch.Tensor, Any]:
+        loss = self.loss_of(mb, model_out)
+        self.outputs[mb] = pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v,
+                                           model_out)
+        self.losses[mb] = loss.detach().cpu().reshape(()).clone()
+        # Megatron divides what loss_func returns by the number of micro-batches, in place: a copy
+        return loss, lambda value: (value.clone(), {"loss": value.detach().clone()})
+
+    def report(self, result: MegatronRankResult, config: Any, origins: dict[str, str] | None = None) -> None:
+        """Outputs and losses in micro-batch order, and the knobs' values (``origins``: where a knob's
+        value came from, where not the user or Megatron's defaults)."""
+        result.outputs = [self.outputs[mb] for mb in sorted(self.outputs)]
+        result.losses = [self.losses[mb] for mb in sorted(self.losses)]
+        result.config = {knob: getattr(config, knob) for knob in KNOBS if hasattr(config, knob)}
+        result.config_origins = dict(origins or {})
+
+
+def run_schedule(ctx: RankContext, forward_step: Any, chunks: list[Any], n: int, **shapes: Any) -> None:
+    """One step of Megatron's ``get_forward_backward_func()`` over this rank's chunks (a list of them
+    for the interleaved schedule), then ``finalize_model_grads``; CPU shims around both."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    iterators = [iter(range(n)) for _ in chunks]
+    ctx.action = "forward_backward_func"
+    with cpu_shims(ctx.device):
+        get_forward_backward_func()(forward_step_func=forward_step,
+                                    data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                                    model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=n,
+                                    decoder_seq_length=None, forward_only=False, **shapes)
+        ctx.action = "finalize_model_grads"
+        finalize_model_grads(chunks)
+    ctx.action = "collect grads"
 
 
 def _import_megatron() -> None:
@@ -295,6 +351,7 @@ def _import_megatron() -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            import megatron.core.distributed  # noqa: F401  (its DistributedDataParallel, for a user's chunks)
             import megatron.core.distributed.finalize_model_grads  # noqa: F401
             import megatron.core.parallel_state  # noqa: F401
             import megatron.core.pipeline_parallel  # noqa: F401
@@ -304,7 +361,7 @@ def _import_megatron() -> None:
         cpp_extension.setLevel(level)
 
 
-def _by_name(fqns: Any) -> Any:
+def by_name(fqns: Any) -> Any:
     """A stage module's own names map to the model's FQNs (pipecheck's split keeps the table)."""
     return lambda local, _tensor: fqns.get(local)
 
