@@ -123,7 +123,7 @@ def process_context() -> Any:  # a SpawnContext or ForkServerContext
                          "or pick one of those.")
     context = multiprocessing.get_context(method)
     if method == "forkserver":
-        context.set_forkserver_preload(["pipecheck._world.worker"])  # torch, imported once in the server
+        context.set_forkserver_preload(["pipecheck._world.worker", "torch.distributed.pipelining"])
     return context
 
 

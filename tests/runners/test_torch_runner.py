@@ -228,7 +228,14 @@ def test_outputs_of_a_middle_stage_are_an_engine_error_and_the_world_survives(pi
     pytest.param("long_skip", SKIP, "", 0, id="long_skip"),
     pytest.param("encoder_decoder", SKIP, "", 0, id="encoder_decoder"),
 ])
-def test_what_torch_cannot_run_is_an_engine_error(pipecheck_world, name, message, inside, rank) -> None:
+def test_what_torch_cannot_run_is_an_engine_error(pipecheck_world, name, message, inside, rank,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's own failure mid-step, as it comes back from the ranks (pipecheck's refusal of it before
+    any rank starts, tested below, is turned off here)."""
+    # private: the up-front refusal, turned off to reach torch's own failure
+    from pipecheck._runners.torch_pipelining import driver as torch_driver
+
+    monkeypatch.setattr(torch_driver, "unrunnable_by_torch", lambda job, pipe: [])
     entry = get(name)
     with pytest.raises(pc.EngineError) as caught:
         check(pipecheck_world(entry.num_stages), name)
@@ -239,6 +246,28 @@ def test_what_torch_cannot_run_is_an_engine_error(pipecheck_world, name, message
                                f"{inside}; schedule '1f1b'")
     assert (err.rank, err.stage, err.engine) == (rank, 0, "torch.distributed.pipelining")  # type: ignore[attr-defined]
     assert isinstance(err.__cause__, pc.WorldError)
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("kwarg_last", "forward() got an unexpected keyword argument 'bias': torch's schedule.step gives keyword inputs "
+                   "to stage 0's module only, and 'bias' is read by stage(s) [2], not stage 0."),
+    ("kwarg_default", "forward() got an unexpected keyword argument 'gate': "),
+    ("skip_one", "Backward of skip connections not supported yet: stage 0's value "),
+    ("encoder_decoder", "Backward of skip connections not supported yet: stage "),
+])
+def test_what_torch_would_fail_on_mid_step_is_refused_before_any_rank_runs(pipecheck_world, name, problem) -> None:
+    """Each would stop the World mid-step (the other ranks wait on the failing one): seconds lost to
+    a restart, and a message about torch's internals. Refused up front instead, naming the value."""
+    entry = get(name)
+    world = pipecheck_world(entry.num_stages)
+    check(world, "mlp" if entry.num_stages == 4 else "buffers")  # the world is up
+    pids = world.pids
+    with pytest.raises(pc.EngineError) as caught:
+        check(world, name)
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith(problem), lines  # what `python -m pipecheck zoo` shows in the torch column
+    assert lines[-1].endswith("refused before any rank started.")
+    assert world.pids == pids
 
 
 def test_ranks_sharing_a_gpu_are_refused_before_any_rank_runs() -> None:
