@@ -79,9 +79,10 @@ def main() -> None:
                 f"{'met' if dp / pp <= 2 else 'NOT met'} |")
     pc.World.close_shared()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    BREAK = "  "  # a markdown line break, written so that no line of this file ends in spaces
     write_section("Training checks", f"""
-Command: `python benchmarks/bench_training.py --rounds {rounds}`  
-Machine: {machine()}; load average {load} at the end (the cores are shared).  
+Command: `python benchmarks/bench_training.py --rounds {rounds}`{BREAK}
+Machine: {machine()}; load average {load} at the end (the cores are shared).{BREAK}
 Model: benchmarks/_gpt.py GPT (d={CONFIG.d}, {CONFIG.blocks} blocks, vocab {CONFIG.vocab}, seq {CONFIG.seq}, tied
 embedding), {CONFIG.stages} stages, batch {BATCH}, {MICROBATCHES} micro-batches, SGD; whole `assert_equivalent` wall
 time (eager fp32 and fp64 training included), warm Worlds, medians of {rounds} alternating rounds (per-round ratios).

@@ -110,6 +110,14 @@ def _refuse_main_without_a_file() -> None:
         )
 
 
+# What the forkserver imports once, so that no rank it starts pays for it again (after a fault, a World
+# starts fresh ranks): torch; torch's pipelining (1.7 s a rank); what a first torch.export trace imports
+# (0.5 s a rank: dynamo, export, aot_autograd; torch's pipeline() and tracer='export' trace with it).
+# Imports only: no thread starts, no device is touched. One that fails is skipped by multiprocessing.
+PRELOADED = ["pipecheck._world.worker", "torch.distributed.pipelining", "torch._dynamo", "torch.export._trace",
+             "torch._functorch.aot_autograd"]
+
+
 def process_context() -> Any:  # a SpawnContext or ForkServerContext
     """How ranks start: from a forkserver that imported torch once (a rank then starts in a fraction
     of a second, and a World restarts after a fault as fast), or spawned afresh.
@@ -123,7 +131,7 @@ def process_context() -> Any:  # a SpawnContext or ForkServerContext
                          "or pick one of those.")
     context = multiprocessing.get_context(method)
     if method == "forkserver":
-        context.set_forkserver_preload(["pipecheck._world.worker", "torch.distributed.pipelining"])
+        context.set_forkserver_preload(PRELOADED)
     return context
 
 

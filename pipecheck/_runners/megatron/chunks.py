@@ -37,6 +37,7 @@ from pipecheck._runners.megatron.chunks_rank import (
     chunk_flags,
     chunks_rank_step,
     run_chunk,
+    tensor_state,
 )
 from pipecheck._runners.megatron.driver import MegatronRunner, pipeline_dtype, unsendable
 from pipecheck._runners.megatron.rank import ENGINE
@@ -181,7 +182,7 @@ def _named_by_stage(reference: MegatronChunkList) -> tuple[tuple[dict[str, torch
     states, fqns = [], []
     for stage in range(reference.num_stages):
         chunk = reference.chunk(stage)
-        states.append({name: t.detach().cpu().clone() for name, t in chunk.state_dict(keep_vars=True).items()})
+        states.append(tensor_state(chunk))
         named = [*chunk.named_parameters(remove_duplicate=False), *chunk.named_buffers(remove_duplicate=False)]
         fqns.append({local: canonical.get(id(t), f"{stage}.{local}") for local, t in named})
     return tuple(states), tuple(fqns)

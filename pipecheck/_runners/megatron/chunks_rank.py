@@ -172,6 +172,13 @@ def _prepare(ctx: RankContext, plan: ChunksPlan) -> tuple[list[int], list[ChunkS
     return mine, stages, wrapped, configs[0], origins, recorder
 
 
+def tensor_state(chunk: nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
+    """A chunk's state dict, its tensors only (a layer's ``_extra_state`` is not one), as CPU copies or
+    (``copy=False``) the chunk's own tensors."""
+    state = {name: t for name, t in chunk.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+    return {name: t.detach().cpu().clone() for name, t in state.items()} if copy else state
+
+
 def _agree_with_megatron(parallel_state: Any, stage: int, flags: dict[str, Any]) -> None:
     """The chunk's flags as Megatron's own parallel_state says them for this rank's chunk: its first
     and last pipeline stage (virtual stages counted)."""
@@ -187,7 +194,7 @@ def _load(chunk: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """The reference's weights, so the ranks start where it does (a tied output weight: the
     embedding's value, which the reference's last chunk holds). A chunk the provider builds here
     with other names than in the driver's process is refused."""
-    own = {name: t for name, t in chunk.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+    own = tensor_state(chunk, copy=False)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise RuntimeError(f"the model provider built a chunk here whose state differs from the one it built in "

@@ -292,7 +292,7 @@ def transformer_config(knobs: dict[str, Any], *, num_layers: int, hidden_size: i
                 layout["pipeline_dtype"] = getattr(torch, dtype)
             if getattr(base, "microbatch_group_size_per_vp_stage", None) == base.pipeline_model_parallel_size:
                 layout["microbatch_group_size_per_vp_stage"] = None  # derived from the pipeline size: again
-            return dataclasses.replace(base, **layout, **knobs)
+            return dataclasses.replace(base, **{**layout, **knobs})  # the user's knobs win
         return TransformerConfig(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=1,
                                  pipeline_dtype=getattr(torch, dtype), pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vp, **knobs)

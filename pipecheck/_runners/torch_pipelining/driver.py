@@ -48,7 +48,6 @@ as :class:`pipecheck.EngineError`: torch's message, then the rank and stage.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -144,14 +143,14 @@ def plan_torch_step(job: Job, pipe: Pipe) -> TorchStepSpec:
                          f"{type(job.schedule).__name__}: torch builds its own schedule.")
     # torch's rules for the layout, checked here: torch itself checks few, and some only inside a rank
     layout = torch_layout(job.schedule, pipe.num_stages, job.n_microbatches, job.stages_per_rank)
-    unrunnable = unrunnable_by_torch(job, pipe)
-    if unrunnable:  # torch's words first, as its own failure would read
-        raise EngineError("\n".join([*unrunnable, f"{ENGINE} would fail on this split mid-step, its other ranks "
-                                     "waiting on the failing one: refused before any rank started."]), engine=ENGINE)
     if job.policy is not None:
         cuts, keep_markers = policy_module_cuts(pipe), False
     else:
         cuts, keep_markers = normalize_split_spec(job.build_model(), job.split_spec or {}), True
+    unrunnable = unrunnable_by_torch(job, pipe)
+    if unrunnable:  # torch's words first, as its own failure would read
+        raise EngineError("\n".join([*unrunnable, f"{ENGINE} would fail on this split mid-step, its other ranks "
+                                     "waiting on the failing one: refused before any rank started."]), engine=ENGINE)
     return TorchStepSpec(job.model, job.args, job.kwargs, job.loss_fn, job.target, job.n_microbatches,
                          layout.key, pipe.num_stages, cuts, keep_markers, pytree.treespec_dumps(pipe.out_spec),
                          layout.class_name, layout.stage_to_rank, record=job.boundaries is not None)
@@ -285,14 +284,14 @@ def _setting(job: Job) -> str:
             f"stages_per_rank={job.stages_per_rank}")
 
 
+
 def unrunnable_by_torch(job: Job, pipe: Pipe) -> list[str]:
-    """What torch.distributed.pipelining raises on, found in this process before any rank starts,
-    each said in torch's words first: ``schedule.step`` gives keyword inputs to the first stage only
-    (a later stage's keyword reaches stage 0's module: "got an unexpected keyword argument"), and its
-    stages refuse the backward of a value that needs a gradient and goes to more than one later
-    stage ("Backward of skip connections not supported yet"). Both fail mid-step, with the other
-    ranks waiting on them (a World restart). Checked against torch on the zoo, its HuggingFace models
-    and 100 generated cases: every refusal is one torch makes."""
+    """What torch.distributed.pipelining fails on mid-step (the other ranks waiting on the failing
+    one: a World restart), found in this process before any rank starts and said in torch's words
+    first: ``schedule.step`` gives the step's keyword inputs to stage 0's module, so a keyword that
+    a later stage reads and stage 0 does not raises "got an unexpected keyword argument" there, on
+    every schedule and torch version pipecheck supports. (torch's refusal of skip connections is not
+    predicted here: whether a value crosses more than one stage depends on torch's own split.)"""
     problems = []
     first = {src.name for src in pipe.stages[0].inputs if src.stage is None}
     for key in job.kwargs:
@@ -300,32 +299,6 @@ def unrunnable_by_torch(job: Job, pipe: Pipe) -> list[str]:
                                                                  for src in stage.inputs)]
         if later and key not in first:
             problems.append(f"forward() got an unexpected keyword argument {key!r}: torch's schedule.step gives "
-                            f"keyword inputs to stage 0's module only, and {key!r} is read by stage(s) {later}, not "
+                            f"keyword inputs to stage 0's module, and {key!r} is read by stage(s) {later}, not "
                             "stage 0. Fix: pass it positionally, or cut so stage 0 reads it")
-    consumers: dict[tuple[int, str], list[int]] = {}
-    for stage in pipe.stages:
-        for src in stage.inputs:
-            if src.stage is not None:
-                consumers.setdefault((src.stage, src.name), []).append(stage.index)
-    shared = {value: readers for value, readers in consumers.items() if len(readers) > 1}
-    if shared:
-        needing = _needs_gradient(job, set(shared))
-        for (producer, name), readers in sorted(shared.items()):
-            if (producer, name) in needing:
-                problems.append(f"Backward of skip connections not supported yet: stage {producer}'s value {name!r} "
-                                f"goes to stages {readers} (a skip connection) and needs a gradient. Fix: cut so only "
-                                "the next stage reads it, or check with runner='distributed'")
     return problems
-
-
-def _needs_gradient(job: Job, values: set[tuple[int, str]]) -> set[tuple[int, str]]:
-    """Which of the stages' ``values`` need a gradient, from micro-batch 0 run through a private copy
-    of the split (gradients on, nothing kept)."""
-    pipe = dataclasses.replace(job, boundaries=None).split()
-    bound = unwrap_replicated(split_microbatches(pipe.bind_inputs(job.args, job.kwargs), job.n_microbatches)[0])
-    produced: dict[tuple[int | None, str], Any] = {(None, name): value for name, value in bound.items()}
-    for stage in pipe.stages:
-        out = stage.module(*[produced[(src.stage, src.name)] for src in stage.inputs])
-        produced.update(zip(((stage.index, name) for name in stage.outputs), out))
-    return {value for value in values
-            if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves(produced[value]))}
