@@ -19,7 +19,7 @@ import sys
 import types
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -280,8 +280,6 @@ def transformer_config(knobs: dict[str, Any], *, num_layers: int, hidden_size: i
                        vp: int | None, base: Any = None) -> Any:
     """The ``TransformerConfig`` Megatron's schedules read: ``base`` (a chunk's own, its pipeline
     sizes set to this pipeline's) or a new one, with the user's knobs over it."""
-    import dataclasses
-
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     with warnings.catch_warnings():
@@ -292,7 +290,7 @@ def transformer_config(knobs: dict[str, Any], *, num_layers: int, hidden_size: i
                 layout["pipeline_dtype"] = getattr(torch, dtype)
             if getattr(base, "microbatch_group_size_per_vp_stage", None) == base.pipeline_model_parallel_size:
                 layout["microbatch_group_size_per_vp_stage"] = None  # derived from the pipeline size: again
-            return dataclasses.replace(base, **{**layout, **knobs})  # the user's knobs win
+            return replace(base, **{**layout, **knobs})  # the user's knobs win
         return TransformerConfig(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=1,
                                  pipeline_dtype=getattr(torch, dtype), pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vp, **knobs)
