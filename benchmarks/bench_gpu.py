@@ -132,7 +132,7 @@ def main() -> None:
                  n_microbatches=MICROBATCHES, schedule="interleaved", stages_per_rank=config.stages,
                  device=opts.device)
     pipe = job.split()
-    spec = step_spec(job, plan_schedule(job, pipe), pipe.tracer)
+    spec = step_spec(job, plan_schedule(job, pipe), pipe)
     with pc.World(1, device=opts.device, timeout=600) as world:
         timings = world.run(rank_timings, spec, config, opts.steps, opts.profile)[0]
     device_name = torch.cuda.get_device_name() if opts.device == "cuda" else "CPU"

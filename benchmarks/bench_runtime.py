@@ -75,7 +75,7 @@ def _spawned_rank(rank: int, plan: Any, folder: str, world_size: int) -> None:
 def spawn_runner(job: pc.Job) -> pc.StepResult:
     """The same runtime, but a fresh process group per check, as torch.multiprocessing.spawn tests do."""
     pipe = job.structure()
-    plan = step_spec(job, plan_schedule(job, pipe), pipe.tracer)
+    plan = step_spec(job, plan_schedule(job, pipe), pipe)
     world_size = plan.schedule.n_ranks
     with tempfile.TemporaryDirectory() as folder:
         torch.multiprocessing.spawn(_spawned_rank, args=(plan, folder, world_size), nprocs=world_size, join=True)
@@ -154,7 +154,7 @@ def bench_step(n_steps: int, rounds: int) -> dict[str, Any]:
     job = pc.Job(model=pc.ModelFactory(BenchMLP), args=(x,), split_spec=SPEC, loss_fn=_loss, target=target,
                  n_microbatches=MICROBATCHES, schedule="1f1b")
     pipe = job.split()
-    plan = step_spec(job, plan_schedule(job, pipe), pipe.tracer)
+    plan = step_spec(job, plan_schedule(job, pipe), pipe)
     ours, theirs = [], []
     with pc.World(STAGES, timeout=600) as world:
         for _ in range(rounds):

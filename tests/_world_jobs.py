@@ -110,3 +110,18 @@ def raise_without_collective(ctx: RankContext, bad_rank: int) -> int:
 def exploding_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """A loss_fn that raises, for tests/test_errors.py: on a rank it must become a LossError."""
     raise ValueError("loss exploded")
+
+
+def split_without_tracing(ctx: RankContext, spec: Any) -> tuple[str, list[str]]:
+    """The rank's split of ``spec`` (a StepSpec) where tracing raises: the recipe must do without it."""
+    import pipecheck._split.pipe as pipe_module
+
+    def no_trace(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a rank traced the model")
+
+    traced, pipe_module.trace = pipe_module.trace, no_trace
+    try:
+        pipe = spec.split_on(ctx.device)
+    finally:
+        pipe_module.trace = traced
+    return str(pipe), [stage.module.code for stage in pipe.stages]

@@ -44,7 +44,7 @@ from pipecheck._runners.job import Job, Runner
 from pipecheck._runners.registry import RUNNERS, runner_named
 from pipecheck._split.inputs import prepare_inputs
 from pipecheck._split.model_factory import ModelFactory, refuse_unreproducible, seeded
-from pipecheck._split.pipe import split_module
+from pipecheck._split.reuse import split_reusing
 from pipecheck._split.trace import check_tracer
 from pipecheck._split.traced import SplitSpec
 from pipecheck._world.spawn import refuse_unguarded_main
@@ -158,8 +158,8 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         inputs = prepare_inputs(built, args, kwargs, target, dtype=dtype, device=device)
     with clock("split_s"):  # the stages share the built model's parameters: no second copy
         try:
-            pipe = split_module(built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy,
-                                tracer=tracer)
+            pipe = split_reusing(factory, built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy,
+                                 tracer=tracer)
         except TraceError:  # a random model (its own Generator: torch < 2.13 cannot trace one) is refused
             refuse_random(built, inputs, n_microbatches, seed)  # as random, the reason that matters
             raise

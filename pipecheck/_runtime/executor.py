@@ -3,8 +3,9 @@
     results = world.run(rank_step, StepSpec(...))     # every rank: split, run its actions
     results[r].stage_grads[stage][fqn], results[r].outputs[mb], results[r].events
 
-Each rank splits the model itself (deterministically, from the spec's seeded
-factory), keeps the stages the schedule gives it, and runs its list of
+Each rank builds the model itself (deterministically, from the spec's seeded
+factory), cuts it along the driver's traced graph (the spec's recipe; no trace
+on the rank), keeps the stages the schedule gives it, and runs its list of
 actions: a forward receives the stage's inputs from whichever ranks produce
 them (a skip connection comes straight from its producer), runs the stage and
 sends each output to every consumer; a backward receives its outputs'
@@ -71,11 +72,13 @@ class StepSpec:
     schedule: Schedule
     record: bool = False  # record boundary values (a failing check's second run, to find where it diverges)
     reduction: Reduction | None = None  # how micro-batch losses add up (None: their mean)
+    recipe: bytes | None = None  # the driver's split (pipe.recipe.dumps()): ranks cut along it, no trace
 
     def split_on(self, device: torch.device) -> Pipe:
-        """This rank's split of the model, built on ``device``."""
+        """This rank's split of the model, built on ``device``: the driver's graph, traced again only
+        where there is no recipe or it names another device."""
         return split_on(device, self.model, self.args, self.kwargs, split_spec=self.split_spec,
-                        policy=self.policy, tracer=self.tracer)
+                        policy=self.policy, tracer=self.tracer, recipe=self.recipe)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import linecache
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,6 +30,7 @@ import torch.utils._pytree as pytree
 from pipecheck._split.inputs import as_args
 from pipecheck._split.markers import PIPE_SPLIT_OP, is_marker
 from pipecheck._split.model_factory import ModelFactory, ModelLike, build_module, copy_module
+from pipecheck._split.recipe import SplitRecipe
 from pipecheck._split.trace import check_tracer, trace
 from pipecheck._split.traced import SplitSpec, Traced, normalize_split_spec
 from pipecheck.errors import SplitError, plural
@@ -99,7 +101,7 @@ class Pipe:
 
     def __init__(self, stages: list[Stage], traced: Traced, out_spec: pytree.TreeSpec,
                  output_sources: tuple[Source | None, ...], tied_groups: list[TiedGroup],
-                 model_name: str) -> None:
+                 model_name: str, model: nn.Module) -> None:
         self.stages = stages
         self.input_names = traced.input_names
         self.tracer = traced.tracer
@@ -107,13 +109,17 @@ class Pipe:
         self.output_sources = output_sources  # per output leaf; None for a constant
         self.tied_groups = tied_groups
         self.model_name = model_name
-        self._bind = traced.bind
+        self._bind = functools.partial(traced.binding, model)
         self._holders = _param_holders(stages)
+        # The traced graph, for ranks to cut their own model the same way without tracing it again.
+        self.recipe = SplitRecipe.of(traced.graph, model, traced.attrs, tracer=traced.tracer,
+                                     input_names=traced.input_names, binding=traced.binding, out_spec=traced.out_spec)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Pipe:
         """Stages copied with their parameters and buffers (ties kept); the output structure shared
-        (a TreeSpec is immutable, and deep-copying one warns)."""
-        memo[id(self.out_spec)] = self.out_spec
+        (a TreeSpec is immutable, and deep-copying one warns), and so are the recipe and the binding."""
+        for shared in (self.out_spec, self.recipe, self._bind):  # immutable; the binding reads forward's signature
+            memo[id(shared)] = shared
         copied = object.__new__(Pipe)
         memo[id(self)] = copied
         copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
@@ -338,7 +344,7 @@ def partition(traced: Traced, model: nn.Module) -> Pipe:
     output_sources = tuple(
         (Source(stage_of[v], v.name) if v in stage_of else Source(None, _target(v)) if v.op == "placeholder" else None)
         if isinstance(v, fx.Node) else None for v in leaves)
-    return Pipe(stages, traced, out_spec, output_sources, _tied_groups(model, stages), type(model).__name__)
+    return Pipe(stages, traced, out_spec, output_sources, _tied_groups(model, stages), type(model).__name__, model)
 
 
 def _tied_groups(model: nn.Module, stages: list[Stage]) -> list[TiedGroup]:
@@ -376,10 +382,24 @@ def split(model: ModelLike, args: Sequence[Any] | Any, kwargs: Mapping[str, Any]
 
 
 def split_on(device: torch.device, model: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *,
-             split_spec: SplitSpec | None, policy: Policy | None, tracer: str) -> Pipe:
-    """A rank's own split, as the driver made it: a ModelFactory built on ``device``, cut the same way."""
+             split_spec: SplitSpec | None, policy: Policy | None, tracer: str, recipe: bytes | None = None) -> Pipe:
+    """A rank's own split, as the driver made it: a ModelFactory built on ``device``, cut the same way.
+
+    With the driver's ``recipe`` (``pipe.recipe.dumps()``), the rank's model is cut along the driver's
+    graph with no trace, unless that graph names another device; without one, it is traced again.
+    """
     factory = model.on(device) if isinstance(model, ModelFactory) else model
-    return split(factory, args, kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
+    plan = SplitRecipe.loads(recipe) if recipe is not None else None
+    if plan is None or not plan.fits(torch.device(device)):
+        return split(factory, args, kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
+    built, owned = build_module(factory)
+    return split_along(built if owned else copy_module(built), plan)
+
+
+def split_along(model: nn.Module, recipe: SplitRecipe) -> Pipe:
+    """``model`` (pipecheck's own, as built) cut along the graph of a split of the same model: no trace."""
+    return partition(Traced(recipe.graph(), recipe.attrs(model), recipe.input_names, recipe.binding,
+                            recipe.tracer, recipe.out_spec), model)
 
 
 def split_module(model: nn.Module, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,

@@ -23,6 +23,7 @@ from pipecheck._split.autograd_functions import functions_as_calls, functions_in
 from pipecheck._split.inputs import bind_signature
 from pipecheck._split.markers import PIPE_SPLIT_OP, SplitPoint
 from pipecheck._split.microbatch import unwrap_replicated
+from pipecheck._split.recipe import ExportBinding
 from pipecheck._split.traced import (
     Traced,
     resolve,
@@ -31,7 +32,7 @@ from pipecheck._split.traced import (
     try_resolve,
     unused_spec,
 )
-from pipecheck.errors import InputError, TraceError, first_line
+from pipecheck.errors import TraceError, first_line
 
 
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_spec: dict[str, SplitPoint]) -> Traced:
@@ -62,19 +63,8 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             own = try_resolve(model, node.target)
             attrs[node.target] = own if own is not None else resolve(gm, node.target)
     names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
-    in_spec = exported.call_spec.in_spec
-
-    def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> dict[str, Any]:
-        bind_signature(model, call_args, call_kwargs)
-        leaves, spec = pytree.tree_flatten((tuple(call_args), dict(call_kwargs)))
-        if spec != in_spec:
-            raise InputError(
-                "inputs have a different structure from the ones the model was exported with. "
-                "Fix: pass the same positional args and kwargs as to pc.split."
-            )
-        return dict(zip(names, leaves))
-
-    return Traced(graph, attrs, names, bind, "export", exported.call_spec.out_spec)
+    return Traced(graph, attrs, names, ExportBinding(names, exported.call_spec.in_spec), "export",
+                  exported.call_spec.out_spec)
 
 
 def _batch_dim(value: Any) -> Any:

@@ -137,7 +137,14 @@ def _root_call(bound: inspect.BoundArguments, graph_inputs: set[str]) -> tuple[t
     return call.args, call.kwargs
 
 
-_DEFAULT = object()  # "not passed: forward used its own default"
+class _Default:
+    """"Not passed: forward used its own default" (one object, in every process: a binding travels to ranks)."""
+
+    def __reduce__(self) -> str:
+        return "_DEFAULT"
+
+
+_DEFAULT = _Default()
 
 
 def _fixed(bound: inspect.BoundArguments, graph_inputs: set[str]) -> dict[str, Any]:
@@ -184,14 +191,22 @@ def trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], sp
         raise unknown_output_error(model, unknown)
     attrs = {n.target: resolve(model, n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
     names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
+    return Traced(graph, attrs, names, FxBinding(names, fixed, frozenset(inputs)), "fx")
 
-    def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> dict[str, Any]:
-        now_bound = bind_signature(model, call_args, call_kwargs)
+
+@dataclass(frozen=True)
+class FxBinding:
+    """Binds a call's arguments to an fx graph's inputs, refusing non-tensor arguments other than traced."""
+
+    names: tuple[str, ...]
+    fixed: dict[str, Any]  # what the trace fixed (see _fixed)
+    graph_inputs: frozenset[str]
+
+    def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        now_bound = bind_signature(model, args, kwargs)
         now = _graph_inputs(now_bound)
-        _check_fixed(now_bound, fixed, set(inputs), now)
-        return {name: now[name] for name in names}
-
-    return Traced(graph, attrs, names, bind, "fx")
+        _check_fixed(now_bound, self.fixed, set(self.graph_inputs), now)
+        return {name: now[name] for name in self.names}
 
 
 def _unknown_output_classes(graph: fx.Graph) -> list[str]:

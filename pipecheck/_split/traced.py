@@ -3,7 +3,7 @@
     traced = trace(model, args, kwargs, split_spec, tracer)   # see pipecheck._split.trace
     traced.graph          # placeholders, get_attr, compute nodes, pipe_split markers, output
     traced.input_names    # model inputs that are graph placeholders, in order
-    traced.bind(args, kwargs) -> {input name: value}
+    traced.binding(model, args, kwargs) -> {input name: value}
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Traced:
     graph: fx.Graph
     attrs: dict[str, Any]  # get_attr / call_module target -> object (from the model copy)
     input_names: tuple[str, ...]
-    bind: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]
+    binding: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], dict[str, Any]]  # picklable, no model held
     tracer: str
     out_spec: pytree.TreeSpec | None = None  # export: the graph returns flat leaves in this structure
 

@@ -143,7 +143,7 @@ class DeepSpeedRunner(_DeepSpeedEngine):
         _refuse(problems, f"{pipe.model_name} as pipecheck splits it")
         return self.spec(job.model, job.split_spec, job.policy, pipe.tracer, job.args, dict(job.kwargs),
                          job.loss_fn, job.target, job.n_microbatches, wanted, dict(layout.scalars),
-                         record=job.boundaries is not None)
+                         record=job.boundaries is not None, recipe=pipe.recipe.dumps())
 
     def n_ranks(self, job: Job, pipe: Pipe, plan: Any) -> int:
         return pipe.num_stages

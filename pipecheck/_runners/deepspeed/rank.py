@@ -51,8 +51,7 @@ from pipecheck._runners.rank_side import prepare_together
 from pipecheck._runtime.boundaries import Boundaries, instrument, instrument_module
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import split_microbatches, unwrap_replicated
-from pipecheck._split.model_factory import ModelFactory
-from pipecheck._split.pipe import Pipe, Source, split
+from pipecheck._split.pipe import Pipe, Source, split_on
 from pipecheck._world.worker import RankContext
 from pipecheck.losses import LossFn, MicrobatchLoss
 from pipecheck.policies import Policy
@@ -313,7 +312,7 @@ def teardown(engine: Any, keep: set[Any]) -> None:
 @dataclass(frozen=True)
 class SplitModelSpec:
     """runner="deepspeed": the job's model split by pipecheck, one DeepSpeed layer per stage
-    (see :mod:`pipecheck._runners.deepspeed.layers`). Every rank splits the model itself, deterministically."""
+    (see :mod:`pipecheck._runners.deepspeed.layers`). Every rank builds the model itself and cuts it along the driver's split (its recipe)."""
 
     model: Callable[[], nn.Module]  # seeded and picklable (a ModelFactory is built on the rank's device)
     split_spec: Mapping[str, Any] | None
@@ -327,6 +326,7 @@ class SplitModelSpec:
     input_grads_of: tuple[str, ...] = ()  # fed model inputs whose gradients are wanted
     scalars: dict[Source, str] = field(default_factory=dict)  # boundary values that are Python numbers
     record: bool = False  # record the stage modules' boundary values (a failing check's second run)
+    recipe: bytes | None = None  # the driver's split (pipe.recipe.dumps()): ranks cut along it, no trace
 
     def engine_built(self, engine: Any) -> None:
         """Called on every rank of a training check once DeepSpeed's engine exists: a subclass may set the
@@ -339,9 +339,9 @@ class SplitModelSpec:
     def setup(self, ctx: RankContext) -> EngineSetup:
         from deepspeed.pipe import TiedLayerSpec
 
-        factory = self.model.on(ctx.device) if isinstance(self.model, ModelFactory) else self.model
         args, kwargs = cast_inputs((tuple(self.args), dict(self.kwargs)), None, ctx.device)
-        pipe = split(factory, args, kwargs, split_spec=self.split_spec, policy=self.policy, tracer=self.tracer)
+        pipe = split_on(ctx.device, self.model, args, kwargs, split_spec=self.split_spec, policy=self.policy,
+                        tracer=self.tracer, recipe=self.recipe)
         recorder = Boundaries() if self.record else None
         if recorder is not None:  # pipecheck's own stage modules, named as the reference names their values
             instrument(pipe, recorder)

@@ -98,7 +98,8 @@ class MegatronRunner(EngineRunner):
         tied = pipe.tied_groups[0].fqn if pipe.tied_groups else None
         return MegatronPlan(job.model, job.split_spec, job.policy, pipe.tracer, job.args, dict(job.kwargs),
                             job.loss_fn, job.target, job.n_microbatches, job.stages_per_rank, tuple(numel), dtype,
-                            tied, dict(self.config), record=job.boundaries is not None)
+                            tied, dict(self.config), record=job.boundaries is not None,
+                            recipe=pipe.recipe.dumps())
 
     def setting(self, job: Job, plan: Any) -> str:
         knobs = ", ".join(f"{key}={value!r}" for key, value in sorted(self.config.items())) or "Megatron's defaults"

@@ -2,7 +2,7 @@
 
     results = world.run(megatron_rank_step, MegatronPlan(...))   # one forward_backward_func step
 
-Each rank splits the model as the driver did, wraps its stage(s) as Megatron model chunks (chunk
+Each rank cuts the model along the driver's split (its recipe, no trace), wraps its stage(s) as Megatron model chunks (chunk
 ``k`` on pipeline rank ``r`` is stage ``k * p + r``), initialises Megatron's ``parallel_state`` on
 the World's ranks, runs one step of ``get_forward_backward_func()`` with the job's micro-batches,
 then ``finalize_model_grads`` (the tied first/last-stage weight's all-reduce), and reports
@@ -59,10 +59,11 @@ class MegatronPlan:
     tied_fqn: str | None  # the one weight tied between the first and the last stage
     config: dict[str, Any]  # Megatron's TransformerConfig knobs the user set
     record: bool = False  # record boundary values (a failing check's second run, to find where it diverges)
+    recipe: bytes | None = None  # the driver's split (pipe.recipe.dumps()): ranks cut along it, no trace
 
     def split_on(self, device: torch.device) -> Pipe:
         return split_on(device, self.model, self.args, self.kwargs, split_spec=self.split_spec,
-                        policy=self.policy, tracer=self.tracer)
+                        policy=self.policy, tracer=self.tracer, recipe=self.recipe)
 
 
 @dataclass

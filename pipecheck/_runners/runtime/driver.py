@@ -54,10 +54,11 @@ def plan_schedule(job: Job, pipe: Pipe) -> Schedule:
     return schedule
 
 
-def step_spec(job: Job, schedule: Schedule, tracer: str) -> StepSpec:
-    """What every rank gets; ``tracer`` is the one that made the driver's split (not "auto" again)."""
-    return StepSpec(job.model, job.split_spec, job.policy, tracer, job.args, job.kwargs, job.loss_fn,
-                    job.target, schedule, record=job.boundaries is not None)
+def step_spec(job: Job, schedule: Schedule, pipe: Pipe) -> StepSpec:
+    """What every rank gets: the driver's split ``pipe`` as a recipe (no rank traces the model again),
+    and the tracer that made it (not "auto" again) for a rank that must."""
+    return StepSpec(job.model, job.split_spec, job.policy, pipe.tracer, job.args, job.kwargs, job.loss_fn,
+                    job.target, schedule, record=job.boundaries is not None, recipe=pipe.recipe.dumps())
 
 
 def merge_rank_results(pipe: Pipe, results: Sequence[RankResult], n_microbatches: int,
@@ -86,7 +87,7 @@ class DistributedRunner(EngineRunner):
     follows_random_contract = True  # a training job's dropout masks are drawn by pipecheck._runtime.randomness
 
     def plan(self, job: Job, pipe: Pipe) -> StepSpec:
-        return step_spec(job, plan_schedule(job, pipe), pipe.tracer)
+        return step_spec(job, plan_schedule(job, pipe), pipe)
 
     def n_ranks(self, job: Job, pipe: Pipe, plan: StepSpec) -> int:
         return plan.schedule.n_ranks

@@ -1,0 +1,192 @@
+"""A split as the driver made it, sent to the ranks so that none of them traces the model again.
+
+    recipe = pipe.recipe                     # made by pc.split: the traced graph, cuts placed, no metadata
+    data = recipe.dumps()                    # bytes, or None where something in the graph does not pickle
+    pipe = SplitRecipe.loads(data).split(model)   # a rank's model cut exactly as the driver's was
+
+The recipe holds the traced graph's nodes (op, name, target, arguments), the
+names of its inputs, how to bind a call's arguments to them, and the graph's
+constants that are not the model's own parameters, buffers or submodules.
+A rank builds its model from the job's seeded factory and partitions it with
+the driver's graph: the same stages, edges and names, with no trace. A graph
+that names a device other than the rank's (``aten.arange(..., device=cpu)``
+traced on the driver, ranks on CUDA) is traced again on the rank instead.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from pipecheck._split.inputs import bind_signature
+from pipecheck._split.traced import resolve
+from pipecheck.errors import InputError
+
+NodeRow = tuple[str, str, Any, Any, Any]  # op, name, target, args, kwargs (nodes as _Ref)
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """An earlier node of the graph, by its position."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class ExportBinding:
+    """Binds a call's arguments to an exported graph's inputs: the same structure as traced, flattened."""
+
+    names: tuple[str, ...]
+    in_spec: pytree.TreeSpec
+
+    def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        bind_signature(model, args, kwargs)
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.in_spec:
+            raise InputError(
+                "inputs have a different structure from the ones the model was exported with. "
+                "Fix: pass the same positional args and kwargs as to pc.split."
+            )
+        return dict(zip(self.names, leaves))
+
+
+@dataclass(frozen=True)
+class SplitRecipe:
+    """The driver's traced graph (cuts placed), small and without node metadata; see the module doc."""
+
+    tracer: str
+    nodes: tuple[NodeRow, ...]
+    input_names: tuple[str, ...]
+    binding: Any  # (model, args, kwargs) -> {input name: value}: ExportBinding, or trace_fx's FxBinding
+    out_spec: pytree.TreeSpec | None
+    constants: Mapping[str, Any]  # get_attr targets that are not the model's: their values
+    devices: frozenset[torch.device]  # every device the graph names, in arguments or constants
+
+    @staticmethod
+    def of(graph: fx.Graph, model: nn.Module, attrs: Mapping[str, Any], *, tracer: str,
+           input_names: tuple[str, ...], binding: Any, out_spec: pytree.TreeSpec | None) -> SplitRecipe:
+        index = {node: i for i, node in enumerate(graph.nodes)}
+
+        def ref(node: fx.Node) -> Any:
+            return _Ref(index[node])
+
+        rows = tuple((node.op, node.name, node.target, fx.node.map_arg(node.args, ref),
+                      fx.node.map_arg(node.kwargs, ref)) for node in graph.nodes)
+        own = _owned_names(model)
+        constants = {target: value for target, value in attrs.items() if target not in own}
+        devices = {leaf for row in rows for leaf in pytree.tree_leaves((row[3], row[4]))
+                   if isinstance(leaf, torch.device)}
+        devices |= {leaf.device for leaf in pytree.tree_leaves(constants) if isinstance(leaf, torch.Tensor)}
+        return SplitRecipe(tracer, rows, input_names, binding, out_spec, constants, frozenset(devices))
+
+    def fits(self, device: torch.device) -> bool:
+        """Whether a model built on ``device`` can run this graph as it is (it names no other device)."""
+        return all(_same_device(named, device) for named in self.devices)
+
+    def graph(self) -> fx.Graph:
+        graph = fx.Graph()
+        made: list[fx.Node] = []
+
+        def node(ref: Any) -> Any:
+            return made[ref.index] if isinstance(ref, _Ref) else ref
+
+        for op, name, target, args, kwargs in self.nodes:
+            new = graph.create_node(op, target, _refs_to_nodes(args, node), _refs_to_nodes(kwargs, node), name=name)
+            if new.name != name:  # fx renames only on a clash, which a graph it made itself never has
+                raise RuntimeError(f"pipecheck: the split's node {name!r} came back as {new.name!r}")
+            made.append(new)
+        return graph
+
+    def attrs(self, model: nn.Module) -> dict[str, Any]:
+        """What each ``get_attr``/``call_module`` target names: the model's own, or the shipped constant."""
+        found: dict[str, Any] = {}
+        for op, _name, target, _args, _kwargs in self.nodes:
+            if op in ("get_attr", "call_module"):
+                found[target] = self.constants[target] if target in self.constants else resolve(model, target)
+        return found
+
+    def dumps(self) -> bytes | None:
+        """The recipe as bytes, or None where the graph holds something that does not pickle (the ranks
+        then trace the model themselves, as the driver did)."""
+        buffer = io.BytesIO()
+        try:
+            _Pickler(buffer).dump(self)
+        except Exception:  # any object in a user's graph; tracing on the rank is always correct
+            return None
+        return buffer.getvalue()
+
+    @staticmethod
+    def loads(data: bytes) -> SplitRecipe:
+        recipe = pickle.loads(data)
+        assert isinstance(recipe, SplitRecipe)
+        return recipe
+
+
+def _refs_to_nodes(value: Any, node: Any) -> Any:
+    """``value`` with each ``_Ref`` replaced by its node (fx's immutable containers rebuilt as fx builds them)."""
+    if isinstance(value, _Ref):
+        return node(value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_refs_to_nodes(v, node) for v in value)
+    if isinstance(value, tuple):  # a NamedTuple
+        return type(value)(*(_refs_to_nodes(v, node) for v in value))
+    if isinstance(value, list):
+        return [_refs_to_nodes(v, node) for v in value]
+    if isinstance(value, dict):
+        return {k: _refs_to_nodes(v, node) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_refs_to_nodes(value.start, node), _refs_to_nodes(value.stop, node),
+                     _refs_to_nodes(value.step, node))
+    return value
+
+
+def _owned_names(model: nn.Module) -> set[str]:
+    """Every name the model itself gives a submodule, parameter or buffer (tied names too)."""
+    names = {name for name, _ in model.named_modules(remove_duplicate=False)}
+    names |= {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    return names
+
+
+def _same_device(named: torch.device, device: torch.device) -> bool:
+    if named.type != device.type:
+        return False
+    return named.index is None or device.index is None or named.index == device.index
+
+
+def _op_overload(namespace: str, name: str, overload: str) -> Any:
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _op_packet(namespace: str, name: str) -> Any:
+    return getattr(getattr(torch.ops, namespace), name)
+
+
+def _higher_order(name: str) -> Any:
+    return getattr(torch.ops.higher_order, name)
+
+
+class _Pickler(pickle.Pickler):
+    """pickle, with torch's operators by name (an ``OpOverload`` holds pybind objects that do not pickle)."""
+
+    dispatch_table = copyreg.dispatch_table.copy()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch._ops.OpOverload):
+            return _op_overload, (obj.namespace, obj._opname, obj._overloadname)
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            namespace, _, name = obj._qualified_op_name.partition("::")
+            return _op_packet, (namespace, name)
+        if isinstance(obj, torch._ops.HigherOrderOperator):
+            return _higher_order, (obj.name(),)
+        return NotImplemented
+

@@ -1,0 +1,149 @@
+"""The driver's split travels to the ranks as a recipe: they cut their own model along it, with no trace."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pipecheck as pc
+import pipecheck._split.pipe as pipe_module
+from pipecheck import fixtures
+
+# private: the distributed runner's step spec is what carries the recipe to the ranks
+from pipecheck._runners.job import Job
+from pipecheck._runners.runtime.driver import plan_schedule, step_spec
+from pipecheck._split.model_factory import ModelFactory
+from pipecheck._split.pipe import split_on
+from pipecheck._split.recipe import SplitRecipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the ranks import _world_jobs from there too
+import _world_jobs as jobs  # noqa: E402
+
+CPU = torch.device("cpu")
+CASES = [("mlp", "markers", "fx"), ("tiny_gpt", "spec", "fx"), ("encoder_decoder", "policy", "fx"),
+         ("kwarg_default", "spec", "fx"), ("alias_reuse", "markers", "export"), ("buffers", "spec", "export"),
+         ("dict_outputs", "spec", "export"), ("titan_lm", "spec", "export")]
+
+
+def forbid_tracing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, a trace fails the test."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(pipe_module, "trace", refuse)
+
+
+def _driver_split(name: str, style: str, tracer: str) -> tuple[pc.Pipe, ModelFactory, tuple, dict]:
+    entry = fixtures.get(name)
+    args, kwargs = entry.inputs()
+    factory = ModelFactory(entry.factory(style), seed=0)
+    return pc.split(factory, args, kwargs, tracer=tracer, **entry.cut(style)), factory, args, kwargs
+
+
+def _layout(pipe: pc.Pipe) -> tuple:
+    return (str(pipe), pipe.edges, pipe.tied_groups, pipe.output_sources, pipe.input_names, pipe.out_spec,
+            [(s.module.code, s.local_to_fqn, s.buffer_fqns) for s in pipe.stages])
+
+
+@pytest.mark.parametrize(("name", "style", "tracer"), CASES)
+def test_a_rank_cuts_its_model_along_the_drivers_graph(name: str, style: str, tracer: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, factory, args, kwargs = _driver_split(name, style, tracer)
+    forbid_tracing(monkeypatch)
+    data = driver.recipe.dumps()
+    assert data is not None
+    rank = split_on(CPU, factory, args, kwargs, split_spec=None, policy=None, tracer=tracer, recipe=data)
+    assert _layout(rank) == _layout(driver)
+    assert rank.bind_inputs(args, kwargs).keys() == driver.bind_inputs(args, kwargs).keys()
+    # The rank's stages hold its own model's parameters, equal to the driver's (the factory is seeded).
+    for mine, theirs in zip(rank.stages, driver.stages):
+        for (local, p), (_, q) in zip(mine.module.named_parameters(), theirs.module.named_parameters()):
+            assert p is not q and torch.equal(p, q), local
+
+
+def test_the_recipe_keeps_what_an_fx_trace_fixed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Non-tensor arguments and defaults fixed by the trace are still refused on the rank, by the same words."""
+    driver, factory, args, kwargs = _driver_split("kwarg_default", "spec", "fx")
+    forbid_tracing(monkeypatch)
+    rank = split_on(CPU, factory, args, kwargs, split_spec=None, policy=None, tracer="fx",
+                    recipe=driver.recipe.dumps())
+    x = args[0]
+    with pytest.raises(pc.InputError) as on_driver:
+        driver.bind_inputs((x,), {"scale": 3.0})
+    with pytest.raises(pc.InputError) as on_rank:
+        rank.bind_inputs((x,), {"scale": 3.0})
+    assert str(on_rank.value) == str(on_driver.value)
+    assert "left to its default when traced" in str(on_rank.value)
+
+
+def test_a_graph_that_does_not_pickle_is_traced_on_the_rank() -> None:
+    calls: list[int] = []
+
+    class Double(torch.autograd.Function):  # a local class: pickle cannot name it, and fx keeps it as one call
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            return grad * 2
+
+    class Local(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return self.b(Double.apply(self.a(x)))
+
+    model, x = Local(), torch.randn(4, 4)
+    spec = {"b": pc.SplitPoint.BEGINNING}
+    pipe = pc.split(model, (x,), split_spec=spec, tracer="fx")
+    assert pipe.recipe.dumps() is None
+    before = len(calls)
+    again = split_on(CPU, model, (x,), None, split_spec=spec, policy=None, tracer="fx", recipe=None)
+    assert len(calls) > before and str(again) == str(pipe)
+
+
+def test_a_graph_naming_another_device_is_not_used_there() -> None:
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) + torch.arange(4, device=x.device))
+
+    pipe = pc.split(Positions(), (torch.randn(4, 4),), split_spec={"b": pc.SplitPoint.BEGINNING}, tracer="export")
+    recipe = SplitRecipe.loads(pipe.recipe.dumps())
+    assert recipe.devices == {CPU}
+    assert recipe.fits(CPU)
+    assert not recipe.fits(torch.device("cuda", 1))
+    assert not recipe.fits(torch.device("meta"))
+
+
+def test_the_recipe_names_torchs_operators_by_name() -> None:
+    pipe, *_ = _driver_split("titan_lm", "spec", "export")
+    data = pipe.recipe.dumps()
+    assert b"_op_overload" in data
+    targets = {row[2] for row in pickle.loads(data).nodes if row[0] == "call_function"}
+    assert torch.ops.aten.embedding.default in targets
+
+
+def test_ranks_of_a_world_cut_without_tracing(pipecheck_world) -> None:
+    """What the distributed runner sends: every rank's split comes from the recipe, none traces."""
+    entry = fixtures.get("tiny_gpt")
+    args, kwargs = entry.inputs()
+    factory = ModelFactory(entry.factory("spec"), seed=0)
+    job = Job(model=factory, args=args, kwargs=kwargs, tracer="export", n_microbatches=2, **entry.cut("spec"))
+    pipe = job.structure()
+    spec = step_spec(job, plan_schedule(job, pipe), pipe)
+    assert spec.recipe is not None
+    expected = (str(pipe), [stage.module.code for stage in pipe.stages])
+    assert pipecheck_world(2).run(jobs.split_without_tracing, spec)[:2] == [expected, expected]
