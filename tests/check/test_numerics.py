@@ -122,3 +122,32 @@ def test_a_complex_output_is_checked_with_the_default_loss_in_both_its_parts() -
     with pytest.raises(pc.EquivalenceError) as caught:  # only the imaginary parts differ
         pc.assert_equivalent(ComplexOutput, (x,), runner=spectrum_conjugated, n_microbatches=2)
     assert [row.name for row in caught.value.report.failures] == ["output[1]"]
+
+
+@pytest.mark.parametrize("case", ["noise", "exact", "zeros in truth", "one bad element", "tiny", "scalar",
+                                  "truth error", "all bad"])
+def test_the_all_finite_path_gives_the_general_paths_row(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of finite tensors take a shorter path; every number in the row is the general path's."""
+    import pipecheck._check.numerics as numerics
+
+    g = torch.Generator().manual_seed(len(case))
+    truth = torch.randn(64, 33, generator=g, dtype=torch.float64)
+    if case == "zeros in truth":
+        truth[::3] = 0.0
+    if case == "tiny":
+        truth = truth * 1e-30
+    if case == "scalar":
+        truth = truth[0, 0]
+    eager = (truth + torch.randn(truth.shape, generator=g, dtype=torch.float64) * 1e-7 * truth.abs()).float()
+    noise = torch.randn(truth.shape, generator=g, dtype=torch.float64) * 1e-8 * truth.abs()
+    test = eager.clone() if case == "exact" else (eager.double() + noise).float()
+    if case == "one bad element":
+        test[5, 7] += 1.0
+    if case == "all bad":
+        test = test * 1.5
+    truth_error = truth.abs() * 1e-9 if case == "truth error" else None
+    fast = compare("grad w", test, eager, truth, "auto", (1,), microbatches=4, truth_error=truth_error)
+    monkeypatch.setattr(numerics, "_all_finite", lambda *tensors: False)
+    general = compare("grad w", test, eager, truth, "auto", (1,), microbatches=4, truth_error=truth_error)
+    assert fast == general
+    assert fast.ok is (case not in ("one bad element", "all bad"))
