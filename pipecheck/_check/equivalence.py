@@ -14,6 +14,7 @@ the gradients of inputs that require grad are compared. Raises
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -44,7 +45,7 @@ from pipecheck._runners.job import Job, Runner
 from pipecheck._runners.registry import RUNNERS, runner_named
 from pipecheck._split.inputs import prepare_inputs
 from pipecheck._split.model_factory import ModelFactory, refuse_unreproducible, seeded
-from pipecheck._split.reuse import split_reusing
+from pipecheck._split.reuse import Hit, split_reusing
 from pipecheck._split.trace import check_tracer
 from pipecheck._split.traced import SplitSpec
 from pipecheck._world.spawn import refuse_unguarded_main
@@ -122,25 +123,34 @@ def assert_equivalent(
     _refuse_untravelled(runner, training)
     if not training.plain or given_batches:
         refuse_one_call(run, runner_name, training)  # before any work
+    check = functools.partial(_check, model, args, kwargs, split_spec, policy, loss_fn, target, n_microbatches,
+                              schedule, world_size, runner_name, run, device, dtype, tolerance, check_grads, seed,
+                              tracer, stages_per_rank, timeout, world, trace_path, training, given_batches)
     with _ONE_CHECK_AT_A_TIME:
-        return _check(model, args, kwargs, split_spec, policy, loss_fn, target, n_microbatches, schedule,
-                      world_size, runner_name, run, device, dtype, tolerance, check_grads, seed, tracer,
-                      stages_per_rank, timeout, world, trace_path, training, given_batches)
+        hits: list[Hit] = []
+        try:
+            return check(hits)
+        except Exception:
+            # A split reused from an earlier check whose graph no longer holds (a helper method or a
+            # global forward reads changed): the check runs again on a fresh trace.
+            if not hits or hits[0].still_traced_the_same():
+                raise
+        return check(None)
 
 
 # One check at a time per process: a check seeds and restores torch's global RNG around its eager
 # runs, and two threads doing so at once draw from each other's streams (measured: 6 of 50
 # reference checks in two threads failed, blaming the model).
 _ONE_CHECK_AT_A_TIME = threading.RLock()
-_ONE_STEP = Training()
 
 
 def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: SplitSpec | None,
            policy: Policy | None, loss_fn: LossFn | None, target: Any, n_microbatches: int, schedule: str,
            world_size: int | None, runner_name: str, run: Runner, device: str | None, dtype: torch.dtype | None,
            tolerance: ToleranceLike, check_grads: bool, seed: int, tracer: str, stages_per_rank: int,
-           timeout: float | None, world: World | None, trace_path: str | None, training: Training = _ONE_STEP,
-           given_batches: tuple[Batch, ...] = ()) -> Report:
+           timeout: float | None, world: World | None, trace_path: str | None, training: Training,
+           given_batches: tuple[Batch, ...], hits: list[Hit] | None) -> Report:
+    """One check; ``hits``: where a split reused from an earlier check is noted (None: trace afresh)."""
     timings: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -159,7 +169,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     with clock("split_s"):  # the stages share the built model's parameters: no second copy
         try:
             pipe = split_reusing(factory, built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy,
-                                 tracer=tracer)
+                                 tracer=tracer, hits=hits)
         except TraceError:  # a random model (its own Generator: torch < 2.13 cannot trace one) is refused
             refuse_random(built, inputs, n_microbatches, seed)  # as random, the reason that matters
             raise

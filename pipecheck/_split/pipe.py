@@ -389,17 +389,22 @@ def split_on(device: torch.device, model: Any, args: Sequence[Any], kwargs: Mapp
     graph with no trace, unless that graph names another device; without one, it is traced again.
     """
     factory = model.on(device) if isinstance(model, ModelFactory) else model
-    plan = SplitRecipe.loads(recipe) if recipe is not None else None
-    if plan is None or not plan.fits(torch.device(device)):
-        return split(factory, args, kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
-    built, owned = build_module(factory)
-    return split_along(built if owned else copy_module(built), plan)
+    check_tracer(tracer)
+    built, owned = build_module(factory)  # first: the model's code may register operators the graph calls
+    own = built if owned else copy_module(built)
+    plan = SplitRecipe.load(recipe, torch.device(device)) if recipe is not None else None
+    pipe = split_along(own, plan, args, kwargs) if plan is not None else None
+    return pipe or split_module(own, args, kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
 
 
-def split_along(model: nn.Module, recipe: SplitRecipe) -> Pipe:
-    """``model`` (pipecheck's own, as built) cut along the graph of a split of the same model: no trace."""
-    return partition(Traced(recipe.graph(), recipe.attrs(model), recipe.input_names, recipe.binding,
-                            recipe.tracer, recipe.out_spec), model)
+def split_along(model: nn.Module, recipe: SplitRecipe, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> Pipe | None:
+    """``model`` (pipecheck's own, as built) cut along the graph of a split of the same model, for a call
+    with ``(args, kwargs)``: no trace. None where the graph names an attribute the model lacks."""
+    attrs = recipe.attrs(model)
+    if attrs is None:
+        return None
+    binding = recipe.binding.for_call(model, as_args(args), dict(kwargs or {}))
+    return partition(Traced(recipe.graph(), attrs, recipe.input_names, binding, recipe.tracer, recipe.out_spec), model)
 
 
 def split_module(model: nn.Module, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,

@@ -2,11 +2,13 @@
 
     recipe = pipe.recipe                     # made by pc.split: the traced graph, cuts placed, no metadata
     data = recipe.dumps()                    # bytes, or None where something in the graph does not pickle
-    pipe = SplitRecipe.loads(data).split(model)   # a rank's model cut exactly as the driver's was
+    recipe = SplitRecipe.load(data, device)  # on a rank; None where it names another device
+    pipe = split_along(model, recipe, args, kwargs)   # pipecheck._split.pipe: cut as the driver's was
 
 The recipe holds the traced graph's nodes (op, name, target, arguments), the
 names of its inputs, how to bind a call's arguments to them, and the graph's
-constants that are not the model's own parameters, buffers or submodules.
+constants that are not the model's own parameters, buffers or submodules
+(a model's own attribute is read off the model it cuts, where it has one).
 A rank builds its model from the job's seeded factory and partitions it with
 the driver's graph: the same stages, edges and names, with no trace. A graph
 that names a device other than the rank's (``aten.arange(..., device=cpu)``
@@ -15,7 +17,9 @@ traced on the driver, ranks on CUDA) is traced again on the rank instead.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
+import dataclasses
 import io
 import pickle
 from collections.abc import Mapping
@@ -28,7 +32,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from pipecheck._split.inputs import bind_signature
-from pipecheck._split.traced import resolve
+from pipecheck._split.traced import try_resolve
 from pipecheck.errors import InputError
 
 NodeRow = tuple[str, str, Any, Any, Any]  # op, name, target, args, kwargs (nodes as _Ref)
@@ -47,6 +51,9 @@ class ExportBinding:
 
     names: tuple[str, ...]
     in_spec: pytree.TreeSpec
+
+    def for_call(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportBinding:
+        return self  # nothing in it comes from the call
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         bind_signature(model, args, kwargs)
@@ -83,14 +90,17 @@ class SplitRecipe:
                       fx.node.map_arg(node.kwargs, ref)) for node in graph.nodes)
         own = _owned_names(model)
         constants = {target: value for target, value in attrs.items() if target not in own}
-        devices = {leaf for row in rows for leaf in pytree.tree_leaves((row[3], row[4]))
-                   if isinstance(leaf, torch.device)}
-        devices |= {leaf.device for leaf in pytree.tree_leaves(constants) if isinstance(leaf, torch.Tensor)}
+        devices = _devices_in([(row[3], row[4]) for row in rows], constants)
         return SplitRecipe(tracer, rows, input_names, binding, out_spec, constants, frozenset(devices))
 
     def fits(self, device: torch.device) -> bool:
         """Whether a model built on ``device`` can run this graph as it is (it names no other device)."""
-        return all(_same_device(named, device) for named in self.devices)
+        return fits(self.devices, device)
+
+    def without_constants(self, targets: set[str]) -> SplitRecipe:
+        """This recipe without the constants ``targets`` (a split along it reads them off its model)."""
+        kept = {target: value for target, value in self.constants.items() if target not in targets}
+        return dataclasses.replace(self, constants=kept)
 
     def graph(self) -> fx.Graph:
         graph = fx.Graph()
@@ -106,29 +116,71 @@ class SplitRecipe:
             made.append(new)
         return graph
 
-    def attrs(self, model: nn.Module) -> dict[str, Any]:
-        """What each ``get_attr``/``call_module`` target names: the model's own, or the shipped constant."""
+    def attrs(self, model: nn.Module) -> dict[str, Any] | None:
+        """What each ``get_attr``/``call_module`` target names: the model's own where it has one (as the
+        tracers resolve them), else the constant the recipe carries; None where one is neither."""
         found: dict[str, Any] = {}
         for op, _name, target, _args, _kwargs in self.nodes:
             if op in ("get_attr", "call_module"):
-                found[target] = self.constants[target] if target in self.constants else resolve(model, target)
+                own = try_resolve(model, target)
+                if own is None and target not in self.constants:
+                    return None
+                found[target] = own if own is not None else self.constants[target]
         return found
 
     def dumps(self) -> bytes | None:
         """The recipe as bytes, or None where the graph holds something that does not pickle (the ranks
-        then trace the model themselves, as the driver did)."""
+        then trace the model themselves, as the driver did). The devices it names come first, so that a
+        rank reads the rest only where it can use it."""
         buffer = io.BytesIO()
         try:
             _Pickler(buffer).dump(self)
         except Exception:  # any object in a user's graph; tracing on the rank is always correct
             return None
-        return buffer.getvalue()
+        return pickle.dumps((self.devices, buffer.getvalue()))
 
     @staticmethod
-    def loads(data: bytes) -> SplitRecipe:
-        recipe = pickle.loads(data)
-        assert isinstance(recipe, SplitRecipe)
-        return recipe
+    def load(data: bytes, device: torch.device) -> SplitRecipe | None:
+        """The recipe ``dumps`` made, for a model on ``device``; None where its graph names another device,
+        or where it cannot be read here (an operator registered only once the model's own code ran)."""
+        devices, payload = pickle.loads(data)
+        if not fits(devices, device):
+            return None
+        try:
+            recipe = pickle.loads(payload)
+        except Exception:  # e.g. torch.ops.<library>.<op> before the library is imported: trace instead
+            return None
+        return recipe if isinstance(recipe, SplitRecipe) else None
+
+
+def fits(devices: frozenset[torch.device], device: torch.device) -> bool:
+    return all(_same_device(named, device) for named in devices)
+
+
+def _devices_in(arguments: list[Any], constants: Mapping[str, Any]) -> set[torch.device]:
+    """Every device named in ``arguments`` (a ``torch.device``, or a string naming one: autocast's
+    ``"cpu"``) and in ``constants`` (a tensor's own; a subgraph's, such as export's ``no_grad`` and
+    autocast blocks, looked into)."""
+    found: set[torch.device] = set()
+    for leaf in pytree.tree_leaves(arguments):
+        if isinstance(leaf, torch.device):
+            found.add(leaf)
+        elif isinstance(leaf, str) and leaf.split(":")[0] in _DEVICE_TYPES:
+            with contextlib.suppress(RuntimeError):
+                found.add(torch.device(leaf))
+    for value in constants.values():
+        if isinstance(value, torch.Tensor):
+            found.add(value.device)
+        elif isinstance(value, fx.GraphModule):
+            found |= _devices_in([(node.args, node.kwargs) for node in value.graph.nodes],
+                                 {**dict(value.named_parameters()), **dict(value.named_buffers()),
+                                  **{name: m for name, m in value.named_children() if isinstance(m, fx.GraphModule)}})
+        elif isinstance(value, nn.Module):
+            found |= {t.device for t in (*value.parameters(), *value.buffers())}
+    return found
+
+
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "meta", "hpu", "mtia", "xla", "privateuseone")
 
 
 def _refs_to_nodes(value: Any, node: Any) -> Any:

@@ -1,6 +1,8 @@
 """Later checks of the same model reuse its trace: a split is cut along the recipe of an earlier one.
 
-    pipe = split_reusing(factory, built, args, kwargs, split_spec=..., policy=..., tracer="auto")
+    hit = []
+    pipe = split_reusing(factory, built, args, kwargs, split_spec=..., policy=..., tracer="auto", hits=hit)
+    if hit and not hit[0].still_traced_the_same(): ...   # a failing check whose split was reused: rerun
 
 Tracing is most of a split (torch.export takes 1-2 s on a tiny HuggingFace model). A check whose
 model factory, model structure, inputs, cut and tracer are all those of an earlier check in this
@@ -8,18 +10,25 @@ process cuts its freshly built model along that check's graph instead of tracing
 holds: the factory's callable, pickled (a function by its name, a ``functools.partial`` with its
 arguments), its dtype, device and seed; every submodule's name, class and ``training`` flag; every
 parameter's and buffer's name, shape, dtype, device and ``requires_grad``, and which of them are
-one tensor; every module's class and forward (the objects: a patched forward is another key); the
-inputs' structure, with each tensor's shape, dtype, device and ``requires_grad``
+one tensor; every module's class and its class's forward (the objects: a patched forward is
+another key); the inputs' structure, with each tensor's shape, dtype, device and ``requires_grad``
 and every other value itself; the split_spec, the policy and the tracer. Where any of it does not
 pickle (a lambda, a local class, a user's ``nn.Module`` given as the model, which may change
-between checks), nothing is reused.
+between checks), or a module has a forward of its own (a hook library's wrapper, which would keep
+the model alive here), nothing is reused.
+
+A key cannot see everything forward reads (a helper method or a module global changed between two
+checks). The graph is all that is reused, and a stale graph can only make the pipeline compute
+something eager does not: a check that fails on a reused split traces the model again, and where
+the graph differs, the check runs again from the start (``assert_equivalent`` does this).
 """
 
 from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,24 +38,59 @@ import torch.utils._pytree as pytree
 from pipecheck._split.model_factory import ModelFactory
 from pipecheck._split.pipe import Pipe, split_along, split_module
 from pipecheck._split.recipe import SplitRecipe
+from pipecheck._split.traced import try_resolve
 from pipecheck.policies import Policy
 
 Key = tuple[tuple[Any, ...], bytes]
 _KEPT = 16  # the recipes of the last 16 distinct splits
+_LARGE = 1 << 20  # bytes: a constant this large that the model holds itself is read off the next model
 _recipes: OrderedDict[Key, SplitRecipe] = OrderedDict()
 
 
+@dataclass
+class Hit:
+    """A split cut along an earlier trace, and how to make that trace again to see if it still holds."""
+
+    key: Key
+    recipe: SplitRecipe
+    retrace: Callable[[], Pipe]
+
+    def still_traced_the_same(self) -> bool:
+        """Whether tracing the model now gives the graph that was reused; where not, it is forgotten."""
+        try:
+            fresh = self.retrace().recipe
+            fresh = fresh.without_constants(set(fresh.constants) - set(self.recipe.constants))  # as kept here
+            reused = self.recipe.dumps()
+            same = reused is not None and fresh.dumps() == reused
+        except Exception:  # the model no longer traces: not the same
+            same = False
+        if not same:
+            _recipes.pop(self.key, None)
+        return same
+
+
 def split_reusing(factory: ModelFactory, built: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *,
-                  split_spec: Mapping[str, Any] | None, policy: Policy | None, tracer: str) -> Pipe:
-    """``split_module(built, ...)``, cut along an earlier check's graph where everything it depends on is the same."""
-    key = _key(factory, built, args, kwargs, split_spec, policy, tracer)
+                  split_spec: Mapping[str, Any] | None, policy: Policy | None, tracer: str,
+                  hits: list[Hit] | None = None) -> Pipe:
+    """``split_module(built, ...)``, cut along an earlier check's graph where everything it depends on is
+    the same; such a reuse is appended to ``hits`` (None: never reuse)."""
+    def trace(model: nn.Module) -> Pipe:
+        return split_module(model, args, kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
+
+    key = _key(factory, built, args, kwargs, split_spec, policy, tracer) if hits is not None else None
     recipe = _recipes.get(key) if key is not None else None
-    if recipe is not None:
-        _recipes.move_to_end(key)  # type: ignore[arg-type]
-        return split_along(built, recipe)
-    pipe = split_module(built, args, kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
+    if key is not None and recipe is not None:
+        pipe = split_along(built, recipe, args, kwargs)
+        if pipe is not None:
+            _recipes.move_to_end(key)
+            hits.append(Hit(key, recipe, lambda: trace(factory())))  # type: ignore[union-attr]
+            return pipe
+    pipe = trace(built)
     if key is not None:
-        _recipes[key] = pipe.recipe
+        large = {target for target, value in pipe.recipe.constants.items()
+                 if isinstance(value, torch.Tensor) and value.nbytes >= _LARGE
+                 and try_resolve(built, target) is value}  # not kept alive here: the next model has its own
+        _recipes[key] = pipe.recipe.without_constants(large)
         while len(_recipes) > _KEPT:
             _recipes.popitem(last=False)
     return pipe
@@ -59,7 +103,7 @@ def forget_splits() -> None:
 
 def _key(factory: ModelFactory, built: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
          split_spec: Mapping[str, Any] | None, policy: Policy | None, tracer: str) -> Key | None:
-    if isinstance(factory.source, nn.Module):
+    if isinstance(factory.source, nn.Module) or any("forward" in m.__dict__ for m in built.modules()):
         return None
     first_name: dict[int, str] = {}
     tensors = []
@@ -69,11 +113,12 @@ def _key(factory: ModelFactory, built: nn.Module, args: Sequence[Any], kwargs: M
             tensors.append((kind, name, first_name.setdefault(id(tensor), name), *_tensor_key(tensor)))
     modules = [(name, type(m).__module__, type(m).__qualname__, m.training)
                for name, m in built.named_modules(remove_duplicate=False)]
-    # The classes and forwards themselves, held by the key: a forward patched or a class redefined is another key.
-    code = tuple((type(m), type(m).forward, m.__dict__.get("forward")) for m in built.modules())
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     inputs = [_tensor_key(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     try:
+        # The classes and their forwards themselves, held by the key: one patched or redefined is another key.
+        code = tuple((type(m), type(m).forward) for m in built.modules())
+        hash(code)
         return code, pickle.dumps((factory.source, str(factory.dtype), str(factory.device), factory.seed, modules,
                                    tensors, str(spec), inputs, dict(split_spec or {}), policy, tracer))
     except Exception:  # a lambda, a local class, an argument that does not pickle: no reuse

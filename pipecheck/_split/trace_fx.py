@@ -202,6 +202,12 @@ class FxBinding:
     fixed: dict[str, Any]  # what the trace fixed (see _fixed)
     graph_inputs: frozenset[str]
 
+    def for_call(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FxBinding:
+        """This binding with what the trace fixed read off ``(args, kwargs)``: the objects of this call,
+        equal to the traced ones (a copy that arrived pickled, an option object without ``==``)."""
+        return dataclasses.replace(self, fixed=_fixed(bind_signature(model, *unwrap_replicated((args, kwargs))),
+                                                      set(self.graph_inputs)))
+
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         now_bound = bind_signature(model, args, kwargs)
         now = _graph_inputs(now_bound)

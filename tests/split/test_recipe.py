@@ -121,18 +121,92 @@ def test_a_graph_naming_another_device_is_not_used_there() -> None:
             return self.b(self.a(x) + torch.arange(4, device=x.device))
 
     pipe = pc.split(Positions(), (torch.randn(4, 4),), split_spec={"b": pc.SplitPoint.BEGINNING}, tracer="export")
-    recipe = SplitRecipe.loads(pipe.recipe.dumps())
-    assert recipe.devices == {CPU}
-    assert recipe.fits(CPU)
-    assert not recipe.fits(torch.device("cuda", 1))
-    assert not recipe.fits(torch.device("meta"))
+    data = pipe.recipe.dumps()
+    recipe = SplitRecipe.load(data, CPU)
+    assert recipe is not None and recipe.devices == {CPU}
+    assert SplitRecipe.load(data, torch.device("cuda", 1)) is None
+    assert SplitRecipe.load(data, torch.device("meta")) is None
+
+
+class Subgraphs(nn.Module):
+    """A device named inside export's no_grad subgraph only, or by autocast's device type (a string)."""
+
+    def __init__(self, block: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.block == "no_grad":
+            with torch.no_grad():
+                h = h + torch.ones(1, device="cpu")
+        else:
+            with torch.autocast("cpu", enabled=False):
+                h = h * 2
+        return self.b(h)
+
+
+@pytest.mark.parametrize("block", ["no_grad", "autocast"])
+def test_devices_inside_subgraphs_and_autocast_count(block: str) -> None:
+    pipe = pc.split(Subgraphs(block), (torch.randn(4, 4),), split_spec={"b": pc.SplitPoint.BEGINNING},
+                    tracer="export")
+    top_level = {leaf for row in pipe.recipe.nodes for leaf in torch.utils._pytree.tree_leaves((row[3], row[4]))}
+    assert not any(isinstance(leaf, torch.device) for leaf in top_level)  # what the first version looked at
+    assert pipe.recipe.devices == {CPU}
+    assert SplitRecipe.load(pipe.recipe.dumps(), torch.device("meta")) is None
+
+
+def test_a_recipe_that_cannot_be_read_on_the_rank_is_traced_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator the graph calls and the rank does not know yet (a library the factory imports): trace."""
+    import pipecheck._split.recipe as recipe_module
+
+    driver, factory, args, kwargs = _driver_split("titan_lm", "spec", "export")
+    data = driver.recipe.dumps()
+
+    def unknown(namespace: str, name: str, overload: str) -> None:
+        raise AttributeError(f"'_OpNamespace' '{namespace}' object has no attribute '{name}'")
+
+    monkeypatch.setattr(recipe_module, "_op_overload", unknown)
+    assert SplitRecipe.load(data, CPU) is None
+    rank = split_on(CPU, factory, args, kwargs, tracer="export", recipe=data, **fixtures.get("titan_lm").cut("spec"),
+                    policy=None)
+    assert _layout(rank) == _layout(driver)
+
+
+class Options:
+    """A plain option object: no ``==`` of its own, so a copy is not equal to it."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class WithOptions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, options: Options) -> torch.Tensor:
+        return self.b(self.a(x) * options.scale)
+
+
+def test_non_tensor_arguments_that_arrive_as_copies_are_the_traced_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's arguments are unpickled copies of the driver's, and so are the recipe's: not a mismatch."""
+    args = (torch.randn(4, 4), Options(2.0))
+    spec = {"b": pc.SplitPoint.BEGINNING}
+    driver = pc.split(ModelFactory(WithOptions, seed=0), args, split_spec=spec, tracer="fx")
+    forbid_tracing(monkeypatch)
+    copies = pickle.loads(pickle.dumps(args))
+    rank = split_on(CPU, ModelFactory(WithOptions, seed=0), copies, None, split_spec=spec, policy=None, tracer="fx",
+                    recipe=driver.recipe.dumps())
+    assert rank.bind_inputs(copies).keys() == {"x"}
 
 
 def test_the_recipe_names_torchs_operators_by_name() -> None:
     pipe, *_ = _driver_split("titan_lm", "spec", "export")
-    data = pipe.recipe.dumps()
-    assert b"_op_overload" in data
-    targets = {row[2] for row in pickle.loads(data).nodes if row[0] == "call_function"}
+    _devices, payload = pickle.loads(pipe.recipe.dumps())
+    assert b"_op_overload" in payload
+    targets = {row[2] for row in pickle.loads(payload).nodes if row[0] == "call_function"}
     assert torch.ops.aten.embedding.default in targets
 
 

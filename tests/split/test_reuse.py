@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 
 import pytest
 import torch
@@ -38,7 +40,7 @@ def traces(monkeypatch: pytest.MonkeyPatch) -> Traces:
 
 def _split(factory: ModelFactory, args: tuple, kwargs: dict, **cut: object) -> pc.Pipe:
     return split_reusing(factory, factory(), args, kwargs, split_spec=cut.get("split_spec"), policy=cut.get("policy"),
-                         tracer=str(cut.get("tracer", "auto")))
+                         tracer=str(cut.get("tracer", "auto")), hits=[])
 
 
 def test_a_second_split_of_the_same_model_reuses_the_trace(traces: Traces) -> None:
@@ -117,3 +119,117 @@ def test_checks_of_one_model_trace_it_once(traces: Traces) -> None:
                for _ in range(2)]
     assert traces.count == 1
     assert reports[0].rows == reports[1].rows
+
+
+SCALE = 1.0  # read by Helped.act: a global forward depends on that no key can see
+
+
+class Helped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h) * SCALE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x)))
+
+
+@pytest.mark.parametrize("change", ["module global", "helper method"])
+def test_a_stale_reused_graph_is_traced_again_not_blamed(change: str, traces: Traces,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What forward reads beyond the key changed between two checks: the reused graph computes the old
+    forward, the check fails on it, traces again, sees another graph, and runs again on that one."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    check = functools.partial(pc.assert_equivalent, Helped, (x,), split_spec={"b": pc.SplitPoint.BEGINNING},
+                              runner="reference", n_microbatches=2, tracer="fx")
+    check()
+    if change == "module global":
+        monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
+    else:
+        monkeypatch.setattr(Helped, "act", lambda self, h: torch.sigmoid(h))
+    check()  # passes: the stale graph alone would fail every gradient
+    assert traces.count == 3  # the first check; the second's trace to see whether its graph still holds; its rerun
+
+
+def test_a_correct_reuse_that_fails_is_not_run_again(traces: Traces) -> None:
+    """A check that fails on a reused graph that still holds (a planted bug): one more trace, no rerun."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    runs = []
+
+    def doubled_loss(job: pc.Job) -> pc.StepResult:
+        runs.append(1)
+        result = pc.DetachExecutor(job.split()).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
+                                                     n_microbatches=job.n_microbatches)
+        return pc.StepResult(result.outputs, result.loss * 2, result.grads)
+
+    check = functools.partial(pc.assert_equivalent, Helped, (x,), split_spec={"b": pc.SplitPoint.BEGINNING},
+                              n_microbatches=2, tracer="fx")
+    check(runner="reference")
+    with pytest.raises(pc.EquivalenceError):
+        check(runner=doubled_loss)
+    assert traces.count == 2 and len(runs) >= 1
+    rerun_free = len(runs)
+    forget_splits()
+    with pytest.raises(pc.EquivalenceError):
+        check(runner=doubled_loss)
+    assert len(runs) == 2 * rerun_free  # the same number of runner calls as a check that reused nothing
+
+
+class Hooked(nn.Module):
+    """A submodule with a forward of its own (as hook libraries wrap one), here a callable that does not hash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.a.forward = Unhashable(self.a.forward)  # type: ignore[method-assign]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+@dataclasses.dataclass
+class Unhashable:
+    call: object
+
+    def __call__(self, *args: object) -> object:
+        return self.call(*args)  # type: ignore[operator]
+
+
+def test_a_model_with_its_own_forward_is_traced_every_time(traces: Traces) -> None:
+    x = torch.randn(8, 8)
+    for _ in range(2):
+        _split(ModelFactory(Hooked, seed=0), (x,), {}, split_spec={"b": pc.SplitPoint.BEGINNING}, tracer="export")
+    assert traces.count == 2
+
+
+class Table(nn.Module):
+    """A large tensor attribute that is not a buffer, read by forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.table = torch.randn(512, 1024)  # 2 MiB
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) + self.table[:1, :8])
+
+
+def test_a_large_attribute_is_the_new_models_own_and_not_kept(traces: Traces) -> None:
+    import pipecheck._split.reuse as reuse
+
+    x = torch.randn(8, 8)
+    cut = {"split_spec": {"b": pc.SplitPoint.BEGINNING}, "tracer": "export"}
+    _split(ModelFactory(Table, seed=0), (x,), {}, **cut)
+    assert not any(isinstance(v, torch.Tensor) and v.nbytes >= 1 << 20
+                   for recipe in reuse._recipes.values() for v in recipe.constants.values())
+    factory = ModelFactory(Table, seed=0)
+    model = factory()
+    pipe = split_reusing(factory, model, (x,), {}, split_spec=cut["split_spec"], policy=None, tracer="export",
+                         hits=[])
+    assert traces.count == 1
+    held = [t for stage in pipe.stages for t in stage.module.__dict__.values() if isinstance(t, torch.Tensor)]
+    held += [getattr(stage.module, name) for stage in pipe.stages for name in dir(stage.module)
+             if name == "table" and isinstance(getattr(stage.module, name), torch.Tensor)]
+    assert any(t is model.table for t in held)
