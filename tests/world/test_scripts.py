@@ -139,6 +139,26 @@ def test_a_script_using_a_world_through_faults_leaves_no_warning_and_no_process(
     assert left == []
 
 
+@needs_proc
+def test_the_ranks_forkserver_ends_before_the_script_does(tmp_path: Path) -> None:
+    """Not the second or two after it that it would take to notice the script has gone and tear torch down."""
+    body = textwrap.dedent('''
+        import multiprocessing.forkserver
+
+        if __name__ == "__main__":
+            with pc.World(2) as world:
+                world.run(print)
+            print(multiprocessing.forkserver._forkserver._forkserver_pid)
+    ''')
+    script = tmp_path / "script.py"
+    script.write_text(HEADER + body)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    forkserver = int(result.stdout.split()[-1])
+    assert not Path(f"/proc/{forkserver}").exists()  # checked at once: gone (and reaped) with the script
+
+
 # --- in this process --------------------------------------------------------------------------------
 
 
