@@ -56,6 +56,7 @@ from pipecheck.errors import (
     InputError,
     PipecheckError,
     PowerError,
+    RankFailedError,
     TraceError,
     plural,
 )
@@ -130,10 +131,10 @@ def assert_equivalent(
         hits: list[Hit] = []
         try:
             return check(hits)
-        except Exception:
-            # A split reused from an earlier check whose graph no longer holds (a helper method or a
-            # global forward reads changed): the check runs again on a fresh trace.
-            if not hits or hits[0].still_traced_the_same():
+        except (EquivalenceError, EngineError, RankFailedError):
+            # What a split reused from an earlier check whose graph no longer holds (a helper method or a
+            # global forward reads changed) makes a runner do: the check runs again on a fresh trace.
+            if not hits or hits[0].still_traced_the_same() is not False:
                 raise
         return check(None)
 

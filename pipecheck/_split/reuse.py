@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
@@ -55,18 +56,43 @@ class Hit:
     recipe: SplitRecipe
     retrace: Callable[[], Pipe]
 
-    def still_traced_the_same(self) -> bool:
-        """Whether tracing the model now gives the graph that was reused; where not, it is forgotten."""
+    def still_traced_the_same(self) -> bool | None:
+        """Whether tracing the model now gives the graph that was reused (None: it could not be traced
+        again, so nobody knows); one that changed is forgotten."""
         try:
             fresh = self.retrace().recipe
-            fresh = fresh.without_constants(set(fresh.constants) - set(self.recipe.constants))  # as kept here
-            reused = self.recipe.dumps()
-            same = reused is not None and fresh.dumps() == reused
-        except Exception:  # the model no longer traces: not the same
-            same = False
+        except Exception:  # out of memory, say: the check's verdict stands as it is
+            return None
+        same = _same_recipe(fresh, self.recipe)
         if not same:
             _recipes.pop(self.key, None)
         return same
+
+
+def _same_recipe(fresh: SplitRecipe, kept: SplitRecipe) -> bool:
+    """The same graph, binding and outputs (compared pickled), and the same constants, tensors by value
+    (a pickled tensor's bytes differ from an equal one's), where ``kept`` keeps them."""
+    if not set(kept.constants) <= set(fresh.constants):
+        return False
+    graph = fresh.without_constants(set(fresh.constants)).dumps()
+    if graph is None or graph != kept.without_constants(set(kept.constants)).dumps():
+        return False
+    return all(_same_value(fresh.constants[target], value) for target, value in kept.constants.items())
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b)))
+    if isinstance(a, fx.GraphModule) or isinstance(b, fx.GraphModule):  # a subgraph: its code and tensors
+        if not (isinstance(a, fx.GraphModule) and isinstance(b, fx.GraphModule) and a.code == b.code):
+            return False
+        mine, theirs = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
+        return mine.keys() == theirs.keys() and all(_same_value(mine[k], theirs[k]) for k in mine)
+    try:
+        return pickle.dumps(a) == pickle.dumps(b)
+    except Exception:
+        return False
 
 
 def split_reusing(factory: ModelFactory, built: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *,

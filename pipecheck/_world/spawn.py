@@ -138,33 +138,45 @@ def process_context() -> Any:  # a SpawnContext or ForkServerContext
     return context
 
 
-def stop_forkserver(wait: float = 0.2) -> None:
-    """Stop multiprocessing's forkserver, if this process started one: asked to stop, then killed after
-    ``wait`` seconds. Left alone it outlives the driver by the 1.6 s it takes to tear torch down after
-    it notices the driver has gone (measured); it holds nothing that needs that teardown (it imports
-    and forks, and the ranks it forked are stopped first)."""
-    server: Any = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
-    pid, alive = getattr(server, "_forkserver_pid", None), getattr(server, "_forkserver_alive_fd", None)
-    if pid is None or alive is None:
+def _forkserver() -> Any:
+    return multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+
+
+def own_forkserver_if_started(was_running: bool) -> None:
+    """Stop multiprocessing's forkserver at exit if pipecheck's ranks are what started it (``was_running``:
+    whether one ran before they started). The stop runs after multiprocessing has stopped and joined
+    the process's other children, which a user's own code may have started from the same forkserver."""
+    global _forkserver_owned
+    if was_running or _forkserver_owned or getattr(_forkserver(), "_forkserver_pid", None) is None:
         return
-    server._forkserver_pid = server._forkserver_alive_fd = None
-    with contextlib.suppress(OSError):
-        os.close(alive)  # asks it to stop
-    deadline = time.monotonic() + wait
-    try:
-        while not os.waitpid(pid, os.WNOHANG)[0]:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                break
-            time.sleep(0.01)
-    except ChildProcessError:  # already reaped
-        pass
-    address = getattr(server, "_forkserver_address", None)
-    if address and not multiprocessing.util.is_abstract_socket_namespace(address):
+    _forkserver_owned = True
+    multiprocessing.util.Finalize(None, stop_forkserver, exitpriority=-100)
+
+
+_forkserver_owned = False
+
+
+def stop_forkserver() -> None:
+    """Stop multiprocessing's forkserver now and reap it. Left alone it outlives the driver by the 1.6 s
+    it takes to tear torch down once it notices the driver has gone (measured); it holds nothing that
+    needs that teardown (it imports and forks), so it is killed."""
+    server = _forkserver()
+    with getattr(server, "_lock", contextlib.nullcontext()):
+        pid, alive = getattr(server, "_forkserver_pid", None), getattr(server, "_forkserver_alive_fd", None)
+        if pid is None or alive is None:
+            return
+        server._forkserver_pid = server._forkserver_alive_fd = None
         with contextlib.suppress(OSError):
-            os.unlink(address)
-    server._forkserver_address = None
+            os.close(alive)
+        with contextlib.suppress(OSError):  # ProcessLookupError: gone already
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):  # reaped already (SIGCHLD ignored)
+            os.waitpid(pid, 0)
+        address = getattr(server, "_forkserver_address", None)
+        if address and not multiprocessing.util.is_abstract_socket_namespace(address):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+        server._forkserver_address = None
 
 
 class SpawnedRanks:
@@ -190,6 +202,7 @@ class SpawnedRanks:
     def start(self) -> None:
         refuse_unguarded_main()
         spawn = process_context()
+        forkserver_ran = getattr(_forkserver(), "_forkserver_pid", None) is not None
         n = self.properties.world_size
         sweep_stale_tmpdirs()
         self.tmpdir = make_tmpdir()
@@ -222,6 +235,7 @@ class SpawnedRanks:
                     name=f"{RANK_NAME}{rank}",
                 )
                 proc.start()
+                own_forkserver_if_started(forkserver_ran)
                 worker_end.close()
                 self.procs.append(proc)
                 self.conns.append(driver_end)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from pipecheck._world.faults import Fault, fault_error
-from pipecheck._world.spawn import SpawnedRanks, stop_forkserver
+from pipecheck._world.spawn import SpawnedRanks
 from pipecheck._world.worker import RankContext, TaskCall, TaskFailed, WorldProperties, run_call
 from pipecheck.errors import TaskPickleError, WorldError
 
@@ -391,7 +391,6 @@ def _close_live_worlds() -> None:
     # that hook joins live non-daemonic children and would wait forever.
     for world in list(_LIVE_WORLDS):
         world.close()
-    stop_forkserver()  # the ranks' forkserver goes with the driver, not a second or two after it
 
 
 atexit.register(_close_live_worlds)

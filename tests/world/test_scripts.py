@@ -141,22 +141,27 @@ def test_a_script_using_a_world_through_faults_leaves_no_warning_and_no_process(
 
 @needs_proc
 def test_the_ranks_forkserver_ends_before_the_script_does(tmp_path: Path) -> None:
-    """Not the second or two after it that it would take to notice the script has gone and tear torch down."""
+    """Not the second or two after it that it would take to notice the script has gone and tear torch down;
+    and only after multiprocessing has stopped the script's own children started from the same forkserver."""
     body = textwrap.dedent('''
         import multiprocessing.forkserver
+        import time
 
         if __name__ == "__main__":
             with pc.World(2) as world:
                 world.run(print)
-            print(multiprocessing.forkserver._forkserver._forkserver_pid)
+            mine = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,), daemon=True)
+            mine.start()  # the user's own, from the forkserver pipecheck started: multiprocessing stops it at exit
+            print(mine.pid, multiprocessing.forkserver._forkserver._forkserver_pid)
     ''')
     script = tmp_path / "script.py"
     script.write_text(HEADER + body)
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
-    forkserver = int(result.stdout.split()[-1])
+    daemon, forkserver = map(int, result.stdout.split()[-2:])
     assert not Path(f"/proc/{forkserver}").exists()  # checked at once: gone (and reaped) with the script
+    assert not Path(f"/proc/{daemon}").exists()  # stopped by multiprocessing, which the forkserver's stop follows
 
 
 # --- in this process --------------------------------------------------------------------------------
