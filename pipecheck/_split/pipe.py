@@ -394,7 +394,8 @@ def split_on(device: torch.device, model: Any, args: Sequence[Any], kwargs: Mapp
     own = built if owned else copy_module(built)
     plan = SplitRecipe.load(recipe, torch.device(device)) if recipe is not None else None
     pipe = split_along(own, plan, args, kwargs) if plan is not None else None
-    return pipe or split_module(own, args, kwargs, split_spec=split_spec, policy=policy, tracer=tracer)
+    return pipe if pipe is not None else split_module(own, args, kwargs, split_spec=split_spec, policy=policy,
+                                                      tracer=tracer)
 
 
 def split_along(model: nn.Module, recipe: SplitRecipe, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> Pipe | None:
