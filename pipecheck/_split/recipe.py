@@ -77,6 +77,7 @@ class SplitRecipe:
     out_spec: pytree.TreeSpec | None
     constants: Mapping[str, Any]  # get_attr targets that are not the model's: their values
     devices: frozenset[torch.device]  # every device the graph names, in arguments or constants
+    wrapped: frozenset[int] = frozenset()  # nodes calling a torch.fx.wrap'ed function (the one metadata codegen reads)
 
     @staticmethod
     def of(graph: fx.Graph, model: nn.Module, attrs: Mapping[str, Any], *, tracer: str,
@@ -91,7 +92,8 @@ class SplitRecipe:
         own = _owned_names(model)
         constants = {target: value for target, value in attrs.items() if target not in own}
         devices = _devices_in([(row[3], row[4]) for row in rows], constants)
-        return SplitRecipe(tracer, rows, input_names, binding, out_spec, constants, frozenset(devices))
+        wrapped = frozenset(i for i, node in enumerate(graph.nodes) if node.meta.get("is_wrapped"))
+        return SplitRecipe(tracer, rows, input_names, binding, out_spec, constants, frozenset(devices), wrapped)
 
     def fits(self, device: torch.device) -> bool:
         """Whether a model built on ``device`` can run this graph as it is (it names no other device)."""
@@ -109,10 +111,12 @@ class SplitRecipe:
         def node(ref: Any) -> Any:
             return made[ref.index] if isinstance(ref, _Ref) else ref
 
-        for op, name, target, args, kwargs in self.nodes:
+        for i, (op, name, target, args, kwargs) in enumerate(self.nodes):
             new = graph.create_node(op, target, _refs_to_nodes(args, node), _refs_to_nodes(kwargs, node), name=name)
             if new.name != name:  # fx renames only on a clash, which a graph it made itself never has
                 raise RuntimeError(f"pipecheck: the split's node {name!r} came back as {new.name!r}")
+            if i in self.wrapped:  # the stage's code then says torch.fx.wrap(...) as the driver's does
+                new.meta["is_wrapped"] = True
             made.append(new)
         return graph
 

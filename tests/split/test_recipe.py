@@ -81,6 +81,32 @@ def test_the_recipe_keeps_what_an_fx_trace_fixed(monkeypatch: pytest.MonkeyPatch
     assert "left to its default when traced" in str(on_rank.value)
 
 
+def wrapped_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+torch.fx.wrap("wrapped_scale")  # fx keeps it as one call, and a stage's code says so (torchvision's stochastic_depth)
+
+
+class Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(wrapped_scale(self.a(x)))
+
+
+def test_a_wrapped_functions_call_keeps_its_wrap_in_the_stage_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    args, spec = (torch.randn(4, 4),), {"a": pc.SplitPoint.END}
+    driver = pc.split(ModelFactory(Wrapped, seed=0), args, split_spec=spec, tracer="fx")
+    assert "wrap(" in driver.stages[1].module.code
+    forbid_tracing(monkeypatch)
+    rank = split_on(CPU, ModelFactory(Wrapped, seed=0), args, None, split_spec=spec, policy=None, tracer="fx",
+                    recipe=driver.recipe.dumps())
+    assert _layout(rank) == _layout(driver)
+
+
 def test_a_graph_that_does_not_pickle_is_traced_on_the_rank() -> None:
     calls: list[int] = []
 

@@ -244,7 +244,4 @@ def test_a_large_attribute_is_the_new_models_own_and_not_kept(traces: Traces) ->
     pipe = split_reusing(factory, model, (x,), {}, split_spec=cut["split_spec"], policy=None, tracer="export",
                          hits=[])
     assert traces.count == 1
-    held = [t for stage in pipe.stages for t in stage.module.__dict__.values() if isinstance(t, torch.Tensor)]
-    held += [getattr(stage.module, name) for stage in pipe.stages for name in dir(stage.module)
-             if name == "table" and isinstance(getattr(stage.module, name), torch.Tensor)]
-    assert any(t is model.table for t in held)
+    assert any(getattr(stage.module, "table", None) is model.table for stage in pipe.stages)

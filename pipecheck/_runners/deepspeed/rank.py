@@ -312,7 +312,8 @@ def teardown(engine: Any, keep: set[Any]) -> None:
 @dataclass(frozen=True)
 class SplitModelSpec:
     """runner="deepspeed": the job's model split by pipecheck, one DeepSpeed layer per stage
-    (see :mod:`pipecheck._runners.deepspeed.layers`). Every rank builds the model itself and cuts it along the driver's split (its recipe)."""
+    (see :mod:`pipecheck._runners.deepspeed.layers`). Every rank builds the model itself and cuts it along
+    the driver's split (its recipe)."""
 
     model: Callable[[], nn.Module]  # seeded and picklable (a ModelFactory is built on the rank's device)
     split_spec: Mapping[str, Any] | None

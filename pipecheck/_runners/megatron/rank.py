@@ -2,8 +2,8 @@
 
     results = world.run(megatron_rank_step, MegatronPlan(...))   # one forward_backward_func step
 
-Each rank cuts the model along the driver's split (its recipe, no trace), wraps its stage(s) as Megatron model chunks (chunk
-``k`` on pipeline rank ``r`` is stage ``k * p + r``), initialises Megatron's ``parallel_state`` on
+Each rank cuts the model along the driver's split (its recipe, no trace), wraps its stage(s) as
+Megatron model chunks (chunk ``k`` on pipeline rank ``r`` is stage ``k * p + r``), initialises Megatron's ``parallel_state`` on
 the World's ranks, runs one step of ``get_forward_backward_func()`` with the job's micro-batches,
 then ``finalize_model_grads`` (the tied first/last-stage weight's all-reduce), and reports
 gradients and buffers by original FQN. Every boundary travels flattened to ``(numel, 1, 1)``, the

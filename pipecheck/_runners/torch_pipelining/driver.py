@@ -284,7 +284,6 @@ def _setting(job: Job) -> str:
             f"stages_per_rank={job.stages_per_rank}")
 
 
-
 def unrunnable_by_torch(job: Job, pipe: Pipe) -> list[str]:
     """What torch.distributed.pipelining fails on mid-step (the other ranks waiting on the failing
     one: a World restart), found in this process before any rank starts and said in torch's words
