@@ -101,7 +101,8 @@ class Pipe:
 
     def __init__(self, stages: list[Stage], traced: Traced, out_spec: pytree.TreeSpec,
                  output_sources: tuple[Source | None, ...], tied_groups: list[TiedGroup],
-                 model_name: str, model: nn.Module) -> None:
+                 model_name: str, model: nn.Module, recipe: SplitRecipe | None = None) -> None:
+        """``recipe``: the one ``traced`` was rebuilt from (a rank's split along the driver's), kept as it is."""
         self.stages = stages
         self.input_names = traced.input_names
         self.tracer = traced.tracer
@@ -112,8 +113,9 @@ class Pipe:
         self._bind = functools.partial(traced.binding, model)
         self._holders = _param_holders(stages)
         # The traced graph, for ranks to cut their own model the same way without tracing it again.
-        self.recipe = SplitRecipe.of(traced.graph, model, traced.attrs, tracer=traced.tracer,
-                                     input_names=traced.input_names, binding=traced.binding, out_spec=traced.out_spec)
+        self.recipe = recipe or SplitRecipe.of(traced.graph, model, traced.attrs, tracer=traced.tracer,
+                                               input_names=traced.input_names, binding=traced.binding,
+                                               out_spec=traced.out_spec)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Pipe:
         """Stages copied with their parameters and buffers (ties kept); the output structure shared
@@ -311,7 +313,7 @@ def _forget_source(key: str) -> None:
     linecache.cache.pop(key, None)
 
 
-def partition(traced: Traced, model: nn.Module) -> Pipe:
+def partition(traced: Traced, model: nn.Module, recipe: SplitRecipe | None = None) -> Pipe:
     canonical = {id(p): name for name, p in model.named_parameters()}
     order = {name: i for i, name in enumerate(canonical.values())}
     canonical_buffers = {id(b): name for name, b in model.named_buffers()}
@@ -344,7 +346,8 @@ def partition(traced: Traced, model: nn.Module) -> Pipe:
     output_sources = tuple(
         (Source(stage_of[v], v.name) if v in stage_of else Source(None, _target(v)) if v.op == "placeholder" else None)
         if isinstance(v, fx.Node) else None for v in leaves)
-    return Pipe(stages, traced, out_spec, output_sources, _tied_groups(model, stages), type(model).__name__, model)
+    return Pipe(stages, traced, out_spec, output_sources, _tied_groups(model, stages), type(model).__name__, model,
+                recipe)
 
 
 def _tied_groups(model: nn.Module, stages: list[Stage]) -> list[TiedGroup]:
@@ -405,7 +408,8 @@ def split_along(model: nn.Module, recipe: SplitRecipe, args: Sequence[Any], kwar
     if attrs is None:
         return None
     binding = recipe.binding.for_call(model, as_args(args), dict(kwargs or {}))
-    return partition(Traced(recipe.graph(), attrs, recipe.input_names, binding, recipe.tracer, recipe.out_spec), model)
+    traced = Traced(recipe.graph(), attrs, recipe.input_names, binding, recipe.tracer, recipe.out_spec)
+    return partition(traced, model, recipe)  # the recipe it was cut along: not built again from its graph
 
 
 def split_module(model: nn.Module, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,

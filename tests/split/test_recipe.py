@@ -57,7 +57,10 @@ def test_a_rank_cuts_its_model_along_the_drivers_graph(name: str, style: str, tr
     forbid_tracing(monkeypatch)
     data = driver.recipe.dumps()
     assert data is not None
+    built = []
+    monkeypatch.setattr(SplitRecipe, "of", lambda *a, **k: built.append(a) or pytest.fail("recipe built again"))
     rank = split_on(CPU, factory, args, kwargs, split_spec=None, policy=None, tracer=tracer, recipe=data)
+    assert not built  # the rank's Pipe keeps the recipe it was cut along: none is made from its graph
     assert _layout(rank) == _layout(driver)
     assert rank.bind_inputs(args, kwargs).keys() == driver.bind_inputs(args, kwargs).keys()
     # The rank's stages hold its own model's parameters, equal to the driver's (the factory is seeded).
