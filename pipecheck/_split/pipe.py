@@ -113,9 +113,9 @@ class Pipe:
         self._bind = functools.partial(traced.binding, model)
         self._holders = _param_holders(stages)
         # The traced graph, for ranks to cut their own model the same way without tracing it again.
-        self.recipe = recipe or SplitRecipe.of(traced.graph, model, traced.attrs, tracer=traced.tracer,
-                                               input_names=traced.input_names, binding=traced.binding,
-                                               out_spec=traced.out_spec)
+        self.recipe = recipe if recipe is not None else SplitRecipe.of(
+            traced.graph, model, traced.attrs, tracer=traced.tracer, input_names=traced.input_names,
+            binding=traced.binding, out_spec=traced.out_spec)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Pipe:
         """Stages copied with their parameters and buffers (ties kept); the output structure shared
