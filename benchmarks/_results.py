@@ -27,7 +27,7 @@ def write_section(heading: str, body: str) -> None:
     title = f"## {heading}"
     section = f"{title}\n\n{body.strip()}\n"
     text = RESULTS.read_text() if RESULTS.exists() else "# pipecheck benchmarks\n"
-    start = text.find(title)
+    start = text.find(title + "\n")  # the whole heading: "## A" is not "## A (b)"
     if start == -1:
         text = text.rstrip("\n") + "\n\n" + section
     else:
