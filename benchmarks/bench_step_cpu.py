@@ -18,6 +18,7 @@ Results go to the "Runtime step on CPU: where the time goes" section of benchmar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import mmap
 import os
@@ -26,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -177,29 +179,30 @@ class SharedMemoryLinks(comm.Links):
         posted.buffers.append(buffer)
 
 
-def shared_memory_steps(ctx: Any, plan: StepSpec, n_steps: int, folder: str) -> dict[str, float]:
-    """``folder``: a new one per call (a slot's counters start at zero with its file)."""
+@contextlib.contextmanager
+def shared_memory(folder: str) -> Iterator[None]:
+    """StageExecutors made inside pass their tensors through slots in ``folder`` (a new one each time: a
+    slot's counters start at zero with its file)."""
     os.makedirs(folder, exist_ok=True)
     SharedMemoryLinks.folder = folder
     executor.Links = SharedMemoryLinks  # type: ignore[misc]
     try:
-        return pipecheck_steps(ctx, plan, n_steps)
+        yield
     finally:
         executor.Links = comm.Links  # type: ignore[misc]
         SharedMemoryLinks.slots.clear()
+
+
+def shared_memory_steps(ctx: Any, plan: StepSpec, n_steps: int, folder: str) -> dict[str, float]:
+    with shared_memory(folder):
+        return pipecheck_steps(ctx, plan, n_steps)
 
 
 def same_gradients(ctx: Any, plan: StepSpec, folder: str) -> bool:
     """The experiment's step gives pipecheck's gradients bit for bit (its numbers are of the same work)."""
     ours = StageExecutor(ctx, plan).run()
-    os.makedirs(folder, exist_ok=True)
-    SharedMemoryLinks.folder = folder
-    executor.Links = SharedMemoryLinks  # type: ignore[misc]
-    try:
+    with shared_memory(folder):
         shared = StageExecutor(ctx, plan).run()
-    finally:
-        executor.Links = comm.Links  # type: ignore[misc]
-        SharedMemoryLinks.slots.clear()
     return all(torch.equal(grad, shared.stage_grads[s][fqn]) for s, grads in ours.stage_grads.items()
                for fqn, grad in grads.items())
 
