@@ -178,20 +178,24 @@ def _compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceL
     truth = ref64.detach().to(device=device, dtype=torch.float64)
     eps = torch.finfo(eager.dtype).eps if eager.is_floating_point() else 0.0
     rtol = AUTO_FLOOR_EPS * eps
-    if device.type == "cpu" and _all_finite(test64, eager64, truth):  # the common case, in half the passes
+    if device.type == "cpu" and _all_finite(test64, eager64, truth):  # the common case, without masks
         # (on a GPU the finiteness test would be one more sync per row: the general path runs there)
-        return _compare_finite(name, stages, shape, test64, eager64, truth, truth_error, eps, rtol, microbatches)
-    finite = torch.isfinite(truth) & torch.isfinite(eager64)  # a -inf mask entry is no measure of error
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    if finite.any():  # a tensor: read back with the row's other numbers, in one transfer
-        eager_err = torch.where(finite, (eager64 - truth).abs(), 0.0).max()
+        diff = _FiniteDiff(test64, truth)
+        eager_err = (eager64 - truth).abs_().max()
         if isinstance(truth_error, torch.Tensor) and truth_error.shape == truth.shape:
-            eager_err = eager_err + torch.where(finite, truth_error.to(truth).nan_to_num(), 0.0).max()
-        scale = torch.where(finite, truth.abs(), 0.0).max()
-        atol = AUTO_MULTIPLE * eager_err + AUTO_FLOOR_EPS * eps * scale
+            eager_err = eager_err + truth_error.to(truth).nan_to_num().max()
+        scale = diff.ref_abs.max()
     else:
-        eager_err = scale = atol = zero
-    diff = _Diff(test64, truth)
+        finite = torch.isfinite(truth) & torch.isfinite(eager64)  # a -inf mask entry is no measure of error
+        if finite.any():  # a tensor: read back with the row's other numbers, in one transfer
+            eager_err = torch.where(finite, (eager64 - truth).abs(), 0.0).max()
+            if isinstance(truth_error, torch.Tensor) and truth_error.shape == truth.shape:
+                eager_err = eager_err + torch.where(finite, truth_error.to(truth).nan_to_num(), 0.0).max()
+            scale = torch.where(finite, truth.abs(), 0.0).max()
+        else:
+            eager_err = scale = torch.zeros((), dtype=torch.float64, device=device)
+        diff = _Diff(test64, truth)
+    atol = AUTO_MULTIPLE * eager_err + AUTO_FLOOR_EPS * eps * scale
     return _row(name, stages, shape, diff, diff.failing(atol, rtol), lambda a: f"auto: atol {a:.1e} rtol {rtol:.1e}",
                 atol, microbatches, _Power(scale, atol, rtol, eager_err))
 
@@ -200,21 +204,6 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     """Whether no element of ``tensors`` is NaN or infinite, by their sums (one read back): a NaN or
     an infinity makes a sum non-finite, and a sum that overflows only sends the row the long way."""
     return bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()) if tensors[0].numel() else False
-
-
-def _compare_finite(name: str, stages: tuple[int, ...], shape: tuple[int, ...], test64: torch.Tensor,
-                    eager64: torch.Tensor, truth: torch.Tensor, truth_error: torch.Tensor | None, eps: float,
-                    rtol: float, microbatches: int) -> Row:
-    """The "auto" row where every value is finite: the same numbers as the general path, which needs
-    masks for NaN and infinities, without them."""
-    eager_err = (eager64 - truth).abs_().max()
-    if isinstance(truth_error, torch.Tensor) and truth_error.shape == truth.shape:
-        eager_err = eager_err + truth_error.to(truth).nan_to_num().max()
-    diff = _FiniteDiff(test64, truth)
-    scale = diff.ref_abs.max()
-    atol = AUTO_MULTIPLE * eager_err + AUTO_FLOOR_EPS * eps * scale
-    return _row(name, stages, shape, diff, diff.failing(atol, rtol), lambda a: f"auto: atol {a:.1e} rtol {rtol:.1e}",
-                atol, microbatches, _Power(scale, atol, rtol, eager_err))
 
 
 def _scale(values: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ traced on the driver, ranks on CUDA) is traced again on the rank instead.
 from __future__ import annotations
 
 import contextlib
-import copyreg
 import dataclasses
 import io
 import pickle
@@ -233,8 +232,6 @@ def _higher_order(name: str) -> Any:
 
 class _Pickler(pickle.Pickler):
     """pickle, with torch's operators by name (an ``OpOverload`` holds pybind objects that do not pickle)."""
-
-    dispatch_table = copyreg.dispatch_table.copy()
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch._ops.OpOverload):
