@@ -146,7 +146,11 @@ def test_the_all_finite_path_gives_the_general_paths_row(case: str, monkeypatch:
     if case == "all bad":
         test = test * 1.5
     truth_error = truth.abs() * 1e-9 if case == "truth error" else None
+    shorter, finite_diff = [], numerics._FiniteDiff
+    monkeypatch.setattr(numerics, "_FiniteDiff", lambda *a: shorter.append(1) or finite_diff(*a))
     fast = compare("grad w", test, eager, truth, "auto", (1,), microbatches=4, truth_error=truth_error)
+    assert shorter  # the row took the shorter path
+    monkeypatch.undo()
     monkeypatch.setattr(numerics, "_all_finite", lambda *tensors: False)
     general = compare("grad w", test, eager, truth, "auto", (1,), microbatches=4, truth_error=truth_error)
     assert fast == general

@@ -152,14 +152,16 @@ def test_the_ranks_forkserver_ends_before_the_script_does(tmp_path: Path) -> Non
                 world.run(print)
             mine = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,), daemon=True)
             mine.start()  # the user's own, from the forkserver pipecheck started: multiprocessing stops it at exit
-            print(mine.pid, multiprocessing.forkserver._forkserver._forkserver_pid)
+            print("PIDS", mine.pid, multiprocessing.forkserver._forkserver._forkserver_pid)
     ''')
     script = tmp_path / "script.py"
     script.write_text(HEADER + body)
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
-    daemon, forkserver = map(int, result.stdout.split()[-2:])
+    found = re.search(r"^PIDS (\d+) (\d+)$", result.stdout, re.MULTILINE)
+    assert found, result.stdout
+    daemon, forkserver = int(found[1]), int(found[2])
     assert not Path(f"/proc/{forkserver}").exists()  # checked at once: gone (and reaped) with the script
     assert not Path(f"/proc/{daemon}").exists()  # stopped by multiprocessing, which the forkserver's stop follows
 
