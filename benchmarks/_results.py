@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import statistics
 from pathlib import Path
 
@@ -27,7 +28,8 @@ def write_section(heading: str, body: str) -> None:
     title = f"## {heading}"
     section = f"{title}\n\n{body.strip()}\n"
     text = RESULTS.read_text() if RESULTS.exists() else "# pipecheck benchmarks\n"
-    start = text.find(title + "\n")  # the whole heading: "## A" is not "## A (b)"
+    found = re.search(rf"(?m)^{re.escape(title)}$", text)  # the whole heading line: "## A" is not "## A (b)"
+    start = found.start() if found else -1
     if start == -1:
         text = text.rstrip("\n") + "\n\n" + section
     else:

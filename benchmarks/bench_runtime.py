@@ -16,6 +16,7 @@ import argparse
 import pickle
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,13 +118,14 @@ def _timed(step: Any, n_steps: int) -> float:
     return median(times)
 
 
-def pipecheck_steps(ctx: Any, plan: StepSpec, n_steps: int) -> float:
+def pipecheck_steps(ctx: Any, plan: StepSpec, n_steps: int, timed: Callable[[Any, int], Any] = _timed) -> Any:
+    """``timed``: how the steps are timed (bench_step_cpu.py times their CPU too)."""
     runner = StageExecutor(ctx, plan)
     torch.set_num_threads(1)
-    return _timed(runner.run, n_steps)
+    return timed(runner.run, n_steps)
 
 
-def torch_steps(ctx: Any, n_steps: int) -> float:
+def torch_steps(ctx: Any, n_steps: int, timed: Callable[[Any, int], Any] = _timed) -> Any:
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
     torch.set_num_threads(1)
@@ -144,7 +146,7 @@ def torch_steps(ctx: Any, n_steps: int) -> float:
         else:
             schedule.step()
 
-    return _timed(step, n_steps)
+    return timed(step, n_steps)
 
 
 def bench_step(n_steps: int, rounds: int) -> dict[str, Any]:

@@ -85,14 +85,11 @@ def _timed(step: Any, n_steps: int) -> dict[str, float]:
 
 
 def pipecheck_steps(ctx: Any, plan: StepSpec, n_steps: int) -> dict[str, float]:
-    runner = StageExecutor(ctx, plan)
-    torch.set_num_threads(1)
-    return _timed(runner.run, n_steps)
+    return runtime_bench.pipecheck_steps(ctx, plan, n_steps, timed=_timed)
 
 
 def torch_engine_steps(ctx: Any, n_steps: int) -> dict[str, float]:
-    runtime_bench._timed = _timed  # the same step, timed with CPU time as well
-    return runtime_bench.torch_steps(ctx, n_steps)
+    return runtime_bench.torch_steps(ctx, n_steps, timed=_timed)
 
 
 # --- the experiment: tensors through shared memory ----------------------------------------------
@@ -108,6 +105,7 @@ class _Timespec(ctypes.Structure):
 
 
 _SLICE = _Timespec(0, 50_000_000)
+_WAIT_S = 60.0  # a step takes ~0.1 s: a slot this late means a peer is gone
 
 
 class _Slot:
@@ -127,7 +125,11 @@ class _Slot:
 
     @staticmethod
     def wait(word: ctypes.c_int32, value: int) -> None:
+        deadline = time.monotonic() + _WAIT_S
         while (now := word.value) != value:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shared-memory slot: waited {_WAIT_S} s for {value}, still {now} (a peer "
+                                   "that failed, or one that disagrees on the message)")
             _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(ctypes.addressof(word)), _FUTEX_WAIT, now,
                           ctypes.byref(_SLICE), None, 0)
 
@@ -203,8 +205,11 @@ def same_gradients(ctx: Any, plan: StepSpec, folder: str) -> bool:
     ours = StageExecutor(ctx, plan).run()
     with shared_memory(folder):
         shared = StageExecutor(ctx, plan).run()
-    return all(torch.equal(grad, shared.stage_grads[s][fqn]) for s, grads in ours.stage_grads.items()
-               for fqn, grad in grads.items())
+    same_keys = {s: set(g) for s, g in ours.stage_grads.items()} == {s: set(g) for s, g in shared.stage_grads.items()}
+    return bool(ours.stage_grads) and same_keys and all(
+        torch.equal(grad, shared.stage_grads[s][fqn]) for s, grads in ours.stage_grads.items()
+        for fqn, grad in grads.items()) and all(
+        torch.equal(loss, shared.losses[mb]) for mb, loss in ours.losses.items())
 
 
 # --- the compute alone ---------------------------------------------------------------------------
@@ -273,9 +278,9 @@ def main() -> None:
         "",
         f"The step of \"Runtime\" (b): 4-stage MLP, {MICROBATCHES} micro-batches, {STAGES} gloo ranks (one "
         f"intra-op thread each) on {cores} cores. Per step, medians over {opts.rounds} alternating rounds of "
-        f"{opts.steps} steps: wall time (slowest rank), CPU time of all ranks together, and the part of it in "
-        "gloo's socket threads (`gloo_tcp_loop`), ms. \"Shared memory\" is an experiment, not pipecheck's "
-        "runtime: pipecheck's 1F1B with its tensors written to a shared-memory slot per message (a futex wakes "
+        f"{opts.steps} steps: wall time (the median step, slowest rank), CPU time of all ranks together (each "
+        "round's mean per step), and the part of it in gloo's socket threads (`gloo_tcp_loop`), ms. "
+        "\"Shared memory\" is an experiment, not pipecheck's runtime: pipecheck's 1F1B with its tensors written to a shared-memory slot per message (a futex wakes "
         "the receiver) where it sends them through gloo; it gives pipecheck's gradients bit for bit "
         f"({'checked' if same else 'NOT the same: the numbers below do not compare'}).",
         "",
@@ -287,7 +292,9 @@ def main() -> None:
         "",
         f"The compute every engine does (the eager micro-batched step of the whole model, one thread, one "
         f"process): {eager * 1e3:.1f} ms of CPU per step, {eager / cores * 1e3:.1f} ms of wall time on {cores} "
-        "cores at best.",
+        "cores at best. What gloo's transport costs pipecheck's step (pipecheck against the experiment): "
+        f"{(row['pipecheck']['wall'] - row['shared memory']['wall']) * 1e3:.1f} ms of "
+        f"{row['pipecheck']['wall'] * 1e3:.1f} ms.",
     ]
     write_section("Runtime step on CPU: where the time goes", "\n".join(lines))
     print("\n".join(lines))
