@@ -230,8 +230,13 @@ def _higher_order(name: str) -> Any:
     return getattr(torch.ops.higher_order, name)
 
 
+def _leaf_spec() -> pytree.TreeSpec:
+    return pytree.tree_flatten(0)[1]
+
+
 class _Pickler(pickle.Pickler):
-    """pickle, with torch's operators by name (an ``OpOverload`` holds pybind objects that do not pickle)."""
+    """pickle, with torch's operators by name (an ``OpOverload`` holds pybind objects that do not pickle), and
+    a pytree leaf as torch's own (unpickling a ``LeafSpec`` makes a new one, which torch 2.10 warns of)."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch._ops.OpOverload):
@@ -241,5 +246,7 @@ class _Pickler(pickle.Pickler):
             return _op_packet, (namespace, name)
         if isinstance(obj, torch._ops.HigherOrderOperator):
             return _higher_order, (obj.name(),)
+        if isinstance(obj, pytree.TreeSpec) and obj.is_leaf():
+            return _leaf_spec, ()
         return NotImplemented
 
