@@ -29,7 +29,7 @@ from pipecheck._runtime.optimizer import StageOptimizer, summed_over
 from pipecheck._runtime.randomness import follow, schedule_step
 from pipecheck._runtime.stage_step import add_param_grads, trainable_params
 from pipecheck._split.pipe import Stage
-from pipecheck._world.worker import RankContext
+from pipecheck._world.worker import RankContext, gloo_connections_unprinted
 from pipecheck.losses import Reduction
 
 
@@ -77,8 +77,9 @@ def _groups(d: int, p: int) -> tuple[list[Any], list[Any]]:
     its ``d`` copies (the data-parallel all-reduce)."""
     if d == 1:
         return [], []
-    pipelines = [dist.new_group(list(range(r * p, (r + 1) * p))) for r in range(d)]
-    reducers = [dist.new_group([r * p + position for r in range(d)]) for position in range(p)]
+    with gloo_connections_unprinted():
+        pipelines = [dist.new_group(list(range(r * p, (r + 1) * p))) for r in range(d)]
+        reducers = [dist.new_group([r * p + position for r in range(d)]) for position in range(p)]
     return pipelines, reducers
 
 

@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipecheck._core.torch_versions import at_least
 from pipecheck.errors import RankError
 
 ACTION_BYTES = 64  # room for one action label per rank on the stage board
@@ -38,6 +41,40 @@ _PARENT_POLL_S = 0.5
 # The driver enforces every task's timeout itself, with stacks; the process
 # group's own timeout only has to be longer than any sensible task.
 PROCESS_GROUP_TIMEOUT = timedelta(days=1)
+# torch 2.10's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks
+# is : 1" on stdout as each rank joins a group (not 2.11 to 2.15: the string is not in their libtorch_cpu).
+_GLOO_PRINTS_CONNECTIONS = not at_least(torch.__version__, "2.11")
+
+
+@contextmanager
+def gloo_connections_unprinted() -> Iterator[None]:
+    """Make a process group without gloo's connection line on stdout. Every rank of a World prints it, a few
+    bytes at a time, into the stdout the ranks share with their driver: garbled lines among the user's own,
+    at every World start and restart. fd 1 points at /dev/null for the call alone."""
+    if not _GLOO_PRINTS_CONNECTIONS:
+        yield
+        return
+    sys.stdout.flush()  # what Python holds goes where it was meant to
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all: nothing to keep clean
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        _flush_c_stdio()  # gloo's text still in C's buffer goes to /dev/null, not to the user
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library by that name here: its buffer is flushed at exit
+        pass
 
 
 # --- messages: driver -> worker ---------------------------------------------
@@ -271,13 +308,14 @@ def _join_world(config: WorkerConfig, board: StageBoard) -> RankContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.FileStore(config.store_path, config.world_size)
-    dist.init_process_group(
-        config.backend,
-        store=store,
-        rank=config.rank,
-        world_size=config.world_size,
-        timeout=PROCESS_GROUP_TIMEOUT,
-    )
+    with gloo_connections_unprinted():
+        dist.init_process_group(
+            config.backend,
+            store=store,
+            rank=config.rank,
+            world_size=config.world_size,
+            timeout=PROCESS_GROUP_TIMEOUT,
+        )
     return RankContext(
         rank=config.rank,
         world_size=config.world_size,

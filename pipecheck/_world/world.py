@@ -40,7 +40,14 @@ import torch.distributed as dist
 
 from pipecheck._world.faults import Fault, fault_error
 from pipecheck._world.spawn import SpawnedRanks
-from pipecheck._world.worker import RankContext, TaskCall, TaskFailed, WorldProperties, run_call
+from pipecheck._world.worker import (
+    RankContext,
+    TaskCall,
+    TaskFailed,
+    WorldProperties,
+    gloo_connections_unprinted,
+    run_call,
+)
 from pipecheck.errors import TaskPickleError, WorldError
 
 __all__ = ["RankContext", "World", "WorldProperties"]
@@ -154,14 +161,15 @@ class _TorchrunRank:
         else:
             local, backend, shared = torch.device("cpu"), "gloo", False
         self.owns_group = not dist.is_initialized()
-        if self.owns_group:
-            dist.init_process_group(backend, init_method="env://")
-        backend = str(dist.get_backend())  # whatever the user initialised, if they did
+        with gloo_connections_unprinted():
+            if self.owns_group:
+                dist.init_process_group(backend, init_method="env://")
+            backend = str(dist.get_backend())  # whatever the user initialised, if they did
+            # Results travel through a gloo group so gathering them never touches a GPU.
+            self.control: dist.ProcessGroup | None = cast(  # new_group's type allows a non-member's
+                dist.ProcessGroup, dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+            )  # sentinel too; every rank is a member
         comm = local if backend == "nccl" else torch.device("cpu")
-        # Results travel through a gloo group so gathering them never touches a GPU.
-        self.control: dist.ProcessGroup | None = cast(  # new_group's type allows a non-member's
-            dist.ProcessGroup, dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-        )  # sentinel too; every rank is a member
         self.ctx = RankContext(rank, world_size, local, backend, comm, dist.group.WORLD, threads)
         placements: list[Any] = [None] * world_size
         dist.all_gather_object(placements, (str(local), str(comm)), group=self.control)

@@ -103,9 +103,6 @@ def test_a_missing_main_guard_is_one_short_message_with_the_fix(body: str, tmp_p
     assert left == []
 
 
-GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected "
-                            r"peer ranks is : \d+")
-
 @needs_proc
 def test_a_script_using_a_world_through_faults_leaves_no_warning_and_no_process(tmp_path: Path) -> None:
     body = textwrap.dedent('''
@@ -128,11 +125,10 @@ def test_a_script_using_a_world_through_faults_leaves_no_warning_and_no_process(
     ''')
     result, left = run_script(tmp_path, body)
     assert result.returncode == 0, result.stderr
-    # gloo itself prints "[Gloo] Rank 0 is connected to ..." on some torch releases (2.8 to 2.10), from the
-    # ranks, into the same stdout: the script's own line can land inside one of them
-    stdout = GLOO_CONNECTED.sub("", result.stdout)
-    printed = [line for line in stdout.splitlines() if line.strip() and not line.startswith("[Gloo] ")]
-    assert printed[-2:] == ["failed: RankFailedError", "then: [0, 1]"]
+    # nothing but the script's own lines: torch 2.10's gloo prints a line as each rank connects, a few bytes at
+    # a time, and the ranks share the script's stdout (pipecheck makes its groups with fd 1 on /dev/null)
+    assert "[Gloo]" not in result.stdout and "peer ranks" not in result.stdout, result.stdout
+    assert result.stdout.splitlines()[-2:] == ["failed: RankFailedError", "then: [0, 1]"]
     assert "runner 'distributed' matches eager" in result.stdout
     assert "runner 'torch' matches eager" in result.stdout
     assert result.stderr == ""  # no torch warning, no resource_tracker "leaked semaphore"

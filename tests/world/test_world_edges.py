@@ -52,6 +52,30 @@ def test_another_user_s_stale_folder_is_left_alone(tmp_path: Path, monkeypatch: 
     assert theirs.exists()
 
 
+GLOO_QUIET_SCRIPT = """
+import ctypes, os, sys
+import pipecheck._world.worker as worker
+
+worker._GLOO_PRINTS_CONNECTIONS = True  # as on torch 2.10, whatever torch runs this
+print("kept", end="")  # held in Python's buffer when the block starts
+with worker.gloo_connections_unprinted():
+    os.write(1, b"[Gloo] written at once\\n")
+    ctypes.CDLL(None).printf(b"[Gloo] held in C's buffer")
+    sys.stdout.flush()  # as anything in the block may: "kept" must be out already
+print(" and after")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are made on Linux")
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "PYTHONUNBUFFERED"])
+def test_what_gloo_prints_while_a_group_is_made_never_reaches_stdout(unbuffered: str) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}  # "1" also leaves C's stdout unbuffered
+    done = subprocess.run([sys.executable, "-c", GLOO_QUIET_SCRIPT], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "kept and after\n"
+
+
 def test_a_zombie_driver_is_dead() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 30
