@@ -34,8 +34,8 @@ def sweep_stale_tmpdirs() -> None:
             continue
         path = os.path.join(root, name)
         try:
-            owned = os.lstat(path).st_uid == os.getuid()
+            found = os.lstat(path)  # once: another process may remove its own folder at any moment
         except OSError:
             continue
-        if owned and stat.S_ISDIR(os.lstat(path).st_mode) and process_gone(int(driver)):
+        if found.st_uid == os.getuid() and stat.S_ISDIR(found.st_mode) and process_gone(int(driver)):
             shutil.rmtree(path, ignore_errors=True)
