@@ -57,6 +57,9 @@ FAULT_GRACE_S = 0.5  # after a first fault, how long to collect the other ranks'
 STACK_WAIT_S = 3.0  # how long ranks get to write their stacks after SIGUSR1
 SHUTDOWN_GRACE_S = 3.0  # close(): time to leave the process group before SIGTERM
 KILL_GRACE_S = 1.0  # time between SIGTERM and SIGKILL
+# A rank that is gone, but whose exit status its forkserver has not reported yet: a moment, longer on a busy
+# machine. Only ever waited for once the rank has exited.
+EXIT_STATUS_WAIT_S = 10.0
 RESTART_NOTE = "The world's processes were stopped; the next run() starts fresh ones."
 RANK_NAME = "pipecheck-rank"  # then the rank: the process name of a spawned rank
 # A spawned rank that finds itself starting ranks while it imports the user's script (no main guard)
@@ -179,6 +182,15 @@ def stop_forkserver() -> None:
         server._forkserver_address = None
 
 
+def await_exit_status(proc: BaseProcess) -> None:
+    """Give a rank whose pipe closed ``KILL_GRACE_S`` to exit, and once it has, up to ``EXIT_STATUS_WAIT_S``
+    for its exit status (which its forkserver sends a moment after): an error names how the rank ended."""
+    proc.join(KILL_GRACE_S)
+    deadline = time.monotonic() + EXIT_STATUS_WAIT_S
+    while proc.exitcode is None and process_gone(proc.pid or 0) and time.monotonic() < deadline:
+        proc.join(0.05)
+
+
 class SpawnedRanks:
     """The ranks as spawned child processes of this (driver) process."""
 
@@ -260,7 +272,7 @@ class SpawnedRanks:
                 try:
                     message = receive(self.conns[rank])
                 except (EOFError, OSError):
-                    self.procs[rank].join(KILL_GRACE_S)
+                    await_exit_status(self.procs[rank])
                     unguarded = unguarded or self.procs[rank].exitcode == UNGUARDED_MAIN_EXIT
                     problems.append(
                         f"rank {rank} {exit_status(self.procs[rank].exitcode)} before joining the "
@@ -358,7 +370,7 @@ class SpawnedRanks:
                 return Fault(rank, message.error.stage, message.error.action, error=message.error)
             if message is not None:
                 return None  # a reply to an earlier task; keep waiting
-        proc.join(KILL_GRACE_S)  # EOF can come a moment before the exit status
+        await_exit_status(proc)  # EOF can come a moment before the exit status
         assert self.board is not None
         stage, action = self.board.read(rank)
         return Fault(
@@ -468,7 +480,7 @@ class SpawnedRanks:
         dead = {}
         for rank, proc in enumerate(self.procs):
             if proc.exitcode is None and process_gone(proc.pid or 0):
-                proc.join(KILL_GRACE_S)  # gone from /proc a moment before its status reaches us
+                await_exit_status(proc)  # gone from /proc a moment before its status reaches us
             if proc.exitcode is not None or process_gone(proc.pid or 0):
                 dead[rank] = proc.exitcode
         return dead
