@@ -54,7 +54,8 @@ def gloo_connections_unprinted() -> Iterator[None]:
     if not _GLOO_PRINTS_CONNECTIONS:
         yield
         return
-    sys.stdout.flush()  # what Python holds goes where it was meant to
+    if sys.stdout is not None:
+        sys.stdout.flush()  # what Python holds goes where it was meant to
     try:
         saved = os.dup(1)
     except OSError:  # no stdout at all: nothing to keep clean
