@@ -231,7 +231,7 @@ def test_bad_input_raises_a_readable_pipecheck_error(call: Callable[[], Any], er
     started = time.perf_counter()
     with pytest.raises(error) as info:
         call()
-    assert time.perf_counter() - started < 30, "a bad input must fail fast, not hang"
+    assert time.perf_counter() - started < 60, "a bad input must fail fast, not hang"
     assert type(info.value) is error, f"{type(info.value).__name__} is not {error.__name__}: {info.value}"
     message = str(info.value)
     for phrase in phrases:

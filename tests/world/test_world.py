@@ -128,13 +128,13 @@ def test_rank_that_raises_names_rank_stage_and_traceback(world: World) -> None:
 def test_rank_that_hangs_times_out_with_every_ranks_stack(world: World) -> None:
     started = time.monotonic()
     with pytest.raises(RankTimeoutError) as caught:
-        world.run(jobs.hang_on_rank, 1, timeout=2)
-    assert time.monotonic() - started < 2 + 5
+        world.run(jobs.hang_on_rank, 1, timeout=5)  # rank 0 finishes well within it, on a busy machine too
+    assert time.monotonic() - started < 5 + 25  # stacks, then stopping the ranks: not the World's 60 s
     error = caught.value
     assert error.ranks == (1,)
     message = str(error)
     assert message.startswith(
-        "task _world_jobs.hang_on_rank did not finish within 2 s on rank(s) 1 of 2."
+        "task _world_jobs.hang_on_rank did not finish within 5 s on rank(s) 1 of 2."
     )
     assert "rank 0: finished\nrank 1: still running, stage 2 (action '2F0')" in message
     assert "in sleep_forever" in error.stacks[1] and "in hang_on_rank" in error.stacks[1]
@@ -158,7 +158,7 @@ def test_rank_that_dies_is_reported_promptly(
     started = time.monotonic()
     with pytest.raises(RankDiedError) as caught:
         world.run(jobs.die_on_rank, 1, how, timeout=60)
-    assert time.monotonic() - started < 10  # not the 60 s timeout
+    assert time.monotonic() - started < 30  # not the 60 s timeout
     error = caught.value
     assert (error.rank, error.exitcode, error.stage) == (1, exitcode, 1)
     assert str(error).startswith(
@@ -286,7 +286,7 @@ def test_killed_drivers_tmpdirs_are_swept_by_the_next_world() -> None:
 
 
 DRIVER_SCRIPT = """
-import sys, threading, time
+import os, sys, threading, time
 import _world_jobs as jobs
 from pipecheck._world.world import World
 from pipecheck._world.tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
@@ -303,7 +303,7 @@ if __name__ == "__main__":
         starter.join()
     else:
         start(holder)
-    print("pids:", *holder["pids"], flush=True)
+    os.write(1, f"pids: {' '.join(map(str, holder['pids']))}\\n".encode())  # one write: a rank's can't split it
     holder["world"].run(jobs.sleep, 600, timeout=900)  # killed mid-job: ranks are busy
 """
 
@@ -326,7 +326,7 @@ def test_killed_driver_leaves_no_orphan_ranks(tmp_path: Path, started_from: str)
     finally:
         driver.kill()
         driver.wait()
-    assert _wait_until_gone(pids, within=5) == []
+    assert _wait_until_gone(pids, within=30) == []  # the ranks' watchdog polls every 0.5 s; 2 cores are busy
 
 
 TORCHRUN_SCRIPT = """

@@ -20,6 +20,7 @@ import pipecheck as pc
 
 # private: the runtime's links are built on a World; hung_rank reads a World's timeout
 from pipecheck._runtime.comm import Links, layout_of
+from pipecheck._world.spawn import EXIT_STATUS_WAIT_S, KILL_GRACE_S, await_exit_status
 from pipecheck._world.tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
 from pipecheck._world.worker import process_gone
 from pipecheck.errors import RankDiedError
@@ -50,6 +51,48 @@ def test_another_user_s_stale_folder_is_left_alone(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(os, "getuid", lambda: os.stat(theirs).st_uid + 1)
     sweep_stale_tmpdirs()
     assert theirs.exists()
+
+
+def test_a_folder_removed_while_it_is_swept_is_passed_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another World's driver (an xdist worker, a script) removes its own folder whenever it closes."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    closing = tmp_path / f"{TMPDIR_PREFIX}{os.getpid()}-abcd"  # a live driver's: not swept
+    closing.mkdir()
+    lstat = os.lstat
+
+    def lstat_then_close(path: str) -> os.stat_result:
+        found = lstat(path)
+        if Path(path) == closing:
+            closing.rmdir()  # its driver's close(), right after the sweep looked
+        return found
+
+    monkeypatch.setattr(os, "lstat", lstat_then_close)
+    sweep_stale_tmpdirs()  # raised FileNotFoundError, from World.run()
+    assert not closing.exists()
+
+
+class _Rank:
+    """A rank process whose exit status its forkserver reports ``after`` seconds from now (or never)."""
+
+    def __init__(self, pid: int, after: float) -> None:
+        self.pid, self.exitcode, self.reported_at = pid, None, time.monotonic() + after
+
+    def join(self, timeout: float) -> None:
+        time.sleep(max(0.0, min(timeout, self.reported_at - time.monotonic())))
+        if time.monotonic() >= self.reported_at:
+            self.exitcode = -signal.SIGKILL
+
+
+def test_a_dead_ranks_status_is_waited_for_on_a_busy_machine() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    late = _Rank(dead.pid, after=KILL_GRACE_S + 1)  # the forkserver was not scheduled for 2 s
+    await_exit_status(late)  # type: ignore[arg-type]
+    assert late.exitcode == -signal.SIGKILL  # was None: "rank 1 closed its pipe ... did not exit"
+    alive = _Rank(os.getpid(), after=600)  # still running (exiting, or hung): KILL_GRACE_S, not more
+    started = time.monotonic()
+    await_exit_status(alive)  # type: ignore[arg-type]
+    assert alive.exitcode is None and time.monotonic() - started < EXIT_STATUS_WAIT_S
 
 
 GLOO_QUIET_SCRIPT = """
@@ -127,14 +170,14 @@ def test_ranks_of_a_world_share_its_key_and_run_the_pipeline() -> None:
 
 
 DRIVER = """
-import sys, time
+import os, sys, time
 sys.path.insert(0, {tests!r})
 import _world_jobs
 import pipecheck as pc
 
 if __name__ == "__main__":
     with pc.World(2, start_timeout=120) as world:
-        print("driver:", *world.run(_world_jobs.pid), flush=True)
+        os.write(1, ("driver: " + " ".join(map(str, world.run(_world_jobs.pid))) + "\\n").encode())
         time.sleep(600)
 """
 
@@ -166,7 +209,7 @@ def test_ranks_exit_when_their_driver_is_killed_and_left_a_zombie(tmp_path: Path
 
 
 SIGTERMED = """
-import sys, time, signal
+import os, sys, time, signal
 sys.path.insert(0, {tests!r})
 import _world_jobs
 import pipecheck as pc
@@ -174,7 +217,8 @@ import pipecheck as pc
 if __name__ == "__main__":
     {own_handler}
     world = pc.World(2, start_timeout=120)
-    print("driver:", world._ranks.tmpdir, *world.run(_world_jobs.pid), flush=True)
+    words = [world._ranks.tmpdir, *world.run(_world_jobs.pid)]
+    os.write(1, ("driver: " + " ".join(map(str, words)) + "\\n").encode())
     time.sleep(600)
 """
 
