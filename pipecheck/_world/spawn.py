@@ -432,10 +432,12 @@ class SpawnedRanks:
                 os.kill(self.procs[rank].pid or 0, signal.SIGUSR1)
             except OSError:
                 live.discard(rank)
-        deadline, previous = time.monotonic() + STACK_WAIT_S, None
+        deadline, previous, unchanged = time.monotonic() + STACK_WAIT_S, None, 0
         while time.monotonic() < deadline:  # until every file has grown and stopped growing
             sizes = {r: self._stack_size(r) for r in live}
-            if previous == sizes and all(sizes[r] > offsets[r] for r in live):
+            unchanged = unchanged + 1 if sizes == previous else 0
+            # 0.2 s unchanged: a rank descheduled mid-dump on a busy machine is not cut short
+            if unchanged >= 4 and all(sizes[r] > offsets[r] for r in live):
                 break
             previous = sizes
             time.sleep(0.05)
