@@ -106,8 +106,8 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def _timed(step: Any, n_steps: int) -> float:
-    step()  # warm-up
+def step_walls(step: Any, n_steps: int) -> list[float]:
+    """The wall time of each of ``n_steps`` steps, every rank starting and ending it together (no warm-up)."""
     times = []
     for _ in range(n_steps):
         dist.barrier()
@@ -115,7 +115,12 @@ def _timed(step: Any, n_steps: int) -> float:
         step()
         dist.barrier()
         times.append(time.perf_counter() - started)
-    return median(times)
+    return times
+
+
+def _timed(step: Any, n_steps: int) -> float:
+    step()  # warm-up
+    return median(step_walls(step, n_steps))
 
 
 def pipecheck_steps(ctx: Any, plan: StepSpec, n_steps: int, timed: Callable[[Any, int], Any] = _timed) -> Any:

@@ -71,14 +71,8 @@ def _gloo_thread_cpu() -> float:
 def _timed(step: Any, n_steps: int) -> dict[str, float]:
     """Median wall time of ``n_steps`` steps between barriers, and the CPU time they took, per step."""
     step()  # warm-up
-    walls = []
     before, gloo_before = os.times(), _gloo_thread_cpu()
-    for _ in range(n_steps):
-        dist.barrier()
-        started = time.perf_counter()
-        step()
-        dist.barrier()
-        walls.append(time.perf_counter() - started)
+    walls = runtime_bench.step_walls(step, n_steps)
     after, gloo_after = os.times(), _gloo_thread_cpu()
     return {"wall": median(walls), "user": (after.user - before.user) / n_steps,
             "system": (after.system - before.system) / n_steps, "gloo": (gloo_after - gloo_before) / n_steps}
