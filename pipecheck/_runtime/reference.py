@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from pipecheck._core.precision import PLAIN, Precision
 from pipecheck._core.result import StepResult
 from pipecheck._runtime.randomness import microbatch
 from pipecheck._runtime.stage_step import (
@@ -45,14 +47,38 @@ def sum_stage_grads(per_stage: Sequence[Mapping[str, torch.Tensor]]) -> dict[str
     return total
 
 
+@dataclass(frozen=True)
+class Accumulation:
+    """How the reference adds up gradients: the same math, summed in another order or dtype.
+
+        DetachExecutor(pipe, accumulation=Accumulation(reverse=True))          # last first
+        DetachExecutor(pipe, accumulation=Accumulation(dtype=torch.float32))   # Megatron's main_grad
+
+    ``reverse``: the micro-batches' backwards run last first (each parameter's gradient summed in that
+    order), a value read by several later stages sums its consumers' gradients first stage first, and a
+    tied parameter sums its replicas last stage first. ``dtype``: parameter gradients are accumulated
+    over the micro-batches in that dtype, and returned in it."""
+
+    reverse: bool = False
+    dtype: torch.dtype | None = None
+
+
 class DetachExecutor:
     """Single-process reference runner of a :class:`pipecheck.Pipe`."""
 
-    def __init__(self, pipe: Pipe, *, drop_gradients: Iterable[tuple[int, str, int]] = ()) -> None:
+    def __init__(self, pipe: Pipe, *, drop_gradients: Iterable[tuple[int, str, int]] = (),
+                 accumulation: Accumulation = Accumulation(), precision: Precision = PLAIN) -> None:
         """``drop_gradients``: (producer stage, value name, consumer stage) edges whose gradient is
-        discarded instead of sent back — a what-if run, used to recognise that bug in an engine."""
+        discarded instead of sent back — a what-if run, used to recognise that bug in an engine.
+        ``accumulation``: the order and dtype gradients are summed in (default: as a pipeline does,
+        micro-batch 0 first, in the parameters' dtype, or ``precision.grad_accumulation``).
+        ``precision``: forwards and losses under its autocast."""
         self.pipe = pipe
         self.drop_gradients = frozenset(drop_gradients)
+        if accumulation.dtype is None and precision.grad_accumulation is not None:
+            accumulation = Accumulation(accumulation.reverse, precision.grad_accumulation)
+        self.accumulation = accumulation
+        self.precision = precision
 
     def forward_microbatch(self, inputs: Mapping[str, Any]) -> list[StageForward]:
         """All stages' forwards of one micro-batch, in stage order."""
@@ -69,19 +95,29 @@ class DetachExecutor:
                             input_grads: dict[InputGradKey, LeafGrads]) -> None:
         """All stages' backwards of micro-batch ``mb``, last stage first; model-input gradients
         go to ``input_grads`` by (consuming stage, input name, micro-batch)."""
-        pending: dict[tuple[int, str], LeafGrads] = {}
+        pending: dict[tuple[int, str], list[LeafGrads]] = {}  # by value: its consumers' gradients, last stage first
         for stage in reversed(self.pipe.stages):
             fwd = forwards[stage.index]
             last = stage.index == self.pipe.num_stages - 1
-            out_grads = [pending.pop((stage.index, name), None) for name in stage.outputs]
+            out_grads = [self._summed(pending.pop((stage.index, name), [])) for name in stage.outputs]
             in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss if last else None, loss_scale)
-            add_param_grads(param_grads[stage.index], p_grads, owned[stage.index])
+            add_param_grads(param_grads[stage.index], self._accumulated(p_grads), owned[stage.index])
             for src, grads in zip(stage.inputs, in_grads):
                 if src.stage is None:
                     input_grads[(stage.index, src.name, mb)] = grads
                 elif (src.stage, src.name, stage.index) not in self.drop_gradients:
-                    key = (src.stage, src.name)
-                    pending[key] = add_leaf_grads(pending.get(key), grads)
+                    pending.setdefault((src.stage, src.name), []).append(grads)
+
+    def _summed(self, consumers: list[LeafGrads]) -> LeafGrads | None:
+        """A value's gradient from its consumers' (last stage first; first stage first with ``reverse``)."""
+        total: LeafGrads | None = None
+        for grads in reversed(consumers) if self.accumulation.reverse else consumers:
+            total = add_leaf_grads(total, grads)
+        return total
+
+    def _accumulated(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        dtype = self.accumulation.dtype
+        return grads if dtype is None else {fqn: g.to(dtype) for fqn, g in grads.items()}
 
     def step(self, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
              loss_fn: LossFn | None = None, target: Any = None, n_microbatches: int = 1,
@@ -97,27 +133,33 @@ class DetachExecutor:
         loss_of = MicrobatchLoss(loss_fn, target, n_microbatches, reduction)
         scale = 1.0 / n_microbatches if reduction is None else reduction.weight
         forwards = []
+        autocast = self.precision.forward(self._device())
         for mb, values in enumerate(inputs):
-            with microbatch(mb):  # dropout masks by pipecheck's contract, where a training check asks
+            with microbatch(mb), autocast:  # dropout masks by pipecheck's contract, where a training check asks
                 forwards.append(self.forward_microbatch(values))
         outputs = [pytree.tree_unflatten(list(f[-1].outputs), self.pipe.out_spec) for f in forwards]
         merged = merge_microbatches([pytree.tree_map(_detached, o) for o in outputs])
-        losses = [loss_of(mb, out) for mb, out in enumerate(outputs)]
+        with autocast:
+            losses = [loss_of(mb, out) for mb, out in enumerate(outputs)]
         param_grads: list[dict[str, torch.Tensor]] = [{} for _ in self.pipe.stages]
         input_grads: dict[InputGradKey, LeafGrads] = {}
         owned: list[set[str]] = [set() for _ in self.pipe.stages]
-        for mb, (fwd, loss) in enumerate(zip(forwards, losses)):
+        order = range(len(forwards) - 1, -1, -1) if self.accumulation.reverse else range(len(forwards))
+        for mb in order:
             with microbatch(mb):  # a recompute draws what the forward drew
-                self.backward_microbatch(mb, fwd, loss, scale, param_grads, owned, input_grads)
+                self.backward_microbatch(mb, forwards[mb], losses[mb], scale, param_grads, owned, input_grads)
         return StepResult(
             outputs=merged,
             loss=weighted_loss([loss.detach() for loss in losses], reduction),
-            grads=sum_stage_grads(param_grads),
+            grads=sum_stage_grads(param_grads[::-1] if self.accumulation.reverse else param_grads),
             input_grads=merge_input_grads(input_grads, n_microbatches, replicated_names(bound)),
             buffers=self.pipe.buffers_after_step(),
             timings={"step_s": time.perf_counter() - started},
             stage_grads=param_grads,
         )
+
+    def _device(self) -> torch.device:
+        return next((p.device for stage in self.pipe.stages for p in stage.module.parameters()), torch.device("cpu"))
 
     def microbatch_grads(self, args: Sequence[Any] | Any, kwargs: Mapping[str, Any] | None = None, *,
                          loss_fn: LossFn | None = None, target: Any = None, n_microbatches: int = 1
@@ -128,8 +170,9 @@ class DetachExecutor:
         loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
         shares = []
         for mb, values in enumerate(split_microbatches(bound, n_microbatches)):
-            forwards = self.forward_microbatch(values)
-            loss = loss_of(mb, pytree.tree_unflatten(list(forwards[-1].outputs), self.pipe.out_spec))
+            with self.precision.forward(self._device()):
+                forwards = self.forward_microbatch(values)
+                loss = loss_of(mb, pytree.tree_unflatten(list(forwards[-1].outputs), self.pipe.out_spec))
             param_grads: list[dict[str, torch.Tensor]] = [{} for _ in self.pipe.stages]
             self.backward_microbatch(mb, forwards, loss, 1.0 / n_microbatches, param_grads,
                                      [set() for _ in self.pipe.stages], {})
