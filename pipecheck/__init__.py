@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "Pipe": "pipecheck._split.pipe",
     "PipecheckError": "pipecheck.errors",
     "PowerError": "pipecheck.errors",
+    "Precision": "pipecheck._core.precision",
     "Report": "pipecheck._check.report",
     "Runner": "pipecheck._runners.job",
     "Replicated": "pipecheck._split.microbatch",
@@ -86,6 +87,7 @@ if typing.TYPE_CHECKING:
     from pipecheck._check.equivalence import assert_equivalent
     from pipecheck._check.numerics import Tolerance
     from pipecheck._check.report import Report
+    from pipecheck._core.precision import Precision
     from pipecheck._core.result import StepResult
     from pipecheck._runners.job import Job, Runner
     from pipecheck._runners.runtime.driver import run_pipeline

@@ -55,8 +55,8 @@ def run_reference(job: Job) -> StepResult:
     buffers put back after: a step changes only buffers, never parameters)."""
     with job.structure().buffers_restored() as pipe, \
             (recording(pipe, job.boundaries) if job.boundaries is not None else contextlib.nullcontext()):
-        return DetachExecutor(pipe).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
-                                         n_microbatches=job.n_microbatches)
+        return DetachExecutor(pipe, precision=job.precision).step(job.args, job.kwargs, loss_fn=job.loss_fn,
+                                                                  target=job.target, n_microbatches=job.n_microbatches)
 
 
 def ranks_needed(n_stages: int, stages_per_rank: int) -> int:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch.nn as nn
 
+from pipecheck._core.precision import Precision
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, Training
 from pipecheck._runtime.boundaries import Boundaries, instrument
@@ -78,6 +79,9 @@ class Job:
     # each schedule step (empty: every schedule step runs ``args``, ``kwargs``, ``target``).
     training: Training = field(default_factory=Training)
     batches: tuple[Batch, ...] = ()
+    # How the check computes (pc.Precision): the runner must run its forwards under ``precision.autocast``
+    # and sum each parameter's micro-batch gradients in ``precision.grad_accumulation``, as it promises.
+    precision: Precision = field(default_factory=Precision)
     # The job's model cut once by structure() when it has no ``pipe``: private, so a copy made with
     # dataclasses.replace (other inputs, another cut) splits again.
     _split: Pipe | None = field(default=None, init=False, repr=False, compare=False)

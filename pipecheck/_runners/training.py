@@ -212,6 +212,7 @@ class ReferenceRunner:
 
     __name__ = "reference"
     follows_random_contract = True  # its dropout masks are drawn by pipecheck._runtime.randomness
+    follows_precision = True  # forwards under job.precision's autocast, gradients summed in its grad_accumulation
 
     def __call__(self, job: Job) -> StepResult:
         return run_reference(job)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._core.precision import PLAIN, Precision
 from pipecheck._core.result import RankReport
 from pipecheck._runtime.boundaries import Boundaries, instrument
 from pipecheck._runtime.comm import Channel, Links, Posted
@@ -73,6 +74,7 @@ class StepSpec:
     record: bool = False  # record boundary values (a failing check's second run, to find where it diverges)
     reduction: Reduction | None = None  # how micro-batch losses add up (None: their mean)
     recipe: bytes | None = None  # the driver's split (pipe.recipe.dumps()): ranks cut along it, no trace
+    precision: Precision = PLAIN  # forwards under its autocast, gradients summed in its grad_accumulation
 
     def split_on(self, device: torch.device) -> Pipe:
         """This rank's split of the model, built on ``device``: the driver's graph, traced again only
@@ -143,6 +145,7 @@ class StageExecutor:
         self.links = Links(self.pipe, self.stage_to_rank, ctx.device, ctx.comm_device, ctx.secret)
         self.n_microbatches = spec.schedule.n_microbatches
         self.loss_fn = spec.loss_fn
+        self.precision = spec.precision
         self.use_batch(spec.args, spec.kwargs, spec.target, spec.reduction)
         self.consumers: dict[tuple[int, str], list[int]] = {}
         for edge in self.pipe.edges:
@@ -238,11 +241,12 @@ class StageExecutor:
                   else self.local_values[(src.stage, src.name, mb)] if self._mine(src.stage)
                   else received[(src.stage, src.name)] for src in stage.inputs]
         start = time.monotonic_ns()
-        with microbatch(mb):  # dropout masks by pipecheck's contract, where a training check asks
+        # dropout masks by pipecheck's contract, where a training check asks; the loss under autocast too
+        with microbatch(mb), self.precision.forward(self.ctx.device):
             fwd = stage_forward(stage, values)
+            if s == self.pipe.num_stages - 1:
+                self._loss(fwd, mb)
         self.forwards[(s, mb)] = fwd
-        if s == self.pipe.num_stages - 1:
-            self._loss(fwd, mb)
         self._record("forward", f"{s}F{mb}", start)
         by_name = dict(zip(stage.outputs, fwd.outputs))
         for name in stage.outputs:
@@ -286,7 +290,8 @@ class StageExecutor:
         else:
             with microbatch(mb):
                 in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss, self.loss_scale)
-            add_param_grads(self.result.stage_grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
+            add_param_grads(self.result.stage_grads.setdefault(s, {}), self._accumulated(p_grads),
+                            self.owned.setdefault(s, set()))
         self._record("backward", f"{s}{kind}{mb}", start)
         sent: dict[tuple[int, str], tuple[Any, LeafGrads]] = {}
         for src, value, grads in zip(stage.inputs, fwd.inputs, in_grads):
@@ -306,8 +311,14 @@ class StageExecutor:
         ``I`` kept; accumulated in the order the W run (micro-batch order in pipecheck's schedules)."""
         start = time.monotonic_ns()
         p_grads = stage_backward_weight(self.pipe.stages[s], self.weights_pending.pop((s, mb)))
-        add_param_grads(self.result.stage_grads.setdefault(s, {}), p_grads, self.owned.setdefault(s, set()))
+        add_param_grads(self.result.stage_grads.setdefault(s, {}), self._accumulated(p_grads),
+                        self.owned.setdefault(s, set()))
         self._record("backward", f"{s}W{mb}", start)
+
+    def _accumulated(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gradients in the dtype they are summed in (pc.Precision's grad_accumulation; else their own)."""
+        dtype = self.precision.grad_accumulation
+        return grads if dtype is None else {fqn: grad.to(dtype) for fqn, grad in grads.items()}
 
     def run_action(self, action: Action, posted: dict[Channel, Posted]) -> None:
         if action.kind == "F":
@@ -329,7 +340,8 @@ class StageExecutor:
             if len({self.stage_to_rank[s] for s in group.stages}) > 1:
                 # A copy the collective may write into: autograd's gradient can be shared with another
                 # parameter's (p + b) or a stride-0 broadcast view (x * p.sum()).
-                buffer = torch.zeros(param.shape, dtype=param.dtype, device=self.ctx.comm_device)
+                dtype = local.dtype if local is not None else self.precision.grad_accumulation or param.dtype
+                buffer = torch.zeros(param.shape, dtype=dtype, device=self.ctx.comm_device)
                 if local is not None:
                     buffer.copy_(local)
                 dist.all_reduce(buffer, group=self.replica.group)  # among this pipeline's ranks

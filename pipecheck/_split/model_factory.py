@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from pipecheck._core.precision import check_dtype
 from pipecheck._split.inputs import cast_module
 from pipecheck.errors import InputError
 
@@ -127,9 +128,7 @@ class ModelFactory:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
-            raise InputError(f"dtype={self.dtype!r} is not a floating-point torch.dtype. Fix: pass one, e.g. "
-                             "dtype=torch.float32 or torch.bfloat16 (or leave it out to keep the model's own).")
+        check_dtype(self.dtype)
         if self.device is None:
             return
         try:

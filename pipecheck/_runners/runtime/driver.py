@@ -58,7 +58,8 @@ def step_spec(job: Job, schedule: Schedule, pipe: Pipe) -> StepSpec:
     """What every rank gets: the driver's split ``pipe`` as a recipe (no rank traces the model again),
     and the tracer that made it (not "auto" again) for a rank that must."""
     return StepSpec(job.model, job.split_spec, job.policy, pipe.tracer, job.args, job.kwargs, job.loss_fn,
-                    job.target, schedule, record=job.boundaries is not None, recipe=pipe.recipe.dumps())
+                    job.target, schedule, record=job.boundaries is not None, recipe=pipe.recipe.dumps(),
+                    precision=job.precision)
 
 
 def merge_rank_results(pipe: Pipe, results: Sequence[RankResult], n_microbatches: int,
@@ -85,6 +86,7 @@ class DistributedRunner(EngineRunner):
     label = engine = ENGINE
     rank_step = staticmethod(rank_step)
     follows_random_contract = True  # a training job's dropout masks are drawn by pipecheck._runtime.randomness
+    follows_precision = True  # forwards under job.precision's autocast, gradients summed in its grad_accumulation
 
     def plan(self, job: Job, pipe: Pipe) -> StepSpec:
         return step_spec(job, plan_schedule(job, pipe), pipe)
