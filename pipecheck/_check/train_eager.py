@@ -183,8 +183,14 @@ def float64_copy(model: nn.Module) -> nn.Module:
 
 def float64_batches(batches: list[Inputs], targets: list[Any]) -> tuple[list[Inputs], list[Any]]:
     """The batches and targets with their floating tensors in float64 (copies)."""
+    return cast_batches(batches, targets, torch.float64)
+
+
+def cast_batches(batches: list[Inputs], targets: list[Any], dtype: torch.dtype) -> tuple[list[Inputs], list[Any]]:
+    """The batches and targets with their floating tensors in ``dtype`` (copies)."""
     cast = []
     for inputs in batches:
-        source = inputs.unspoiled().to64()  # never the copy eager wrote into; a copy each run can take again
-        cast.append(_copied(source, inputs.signature, torch.float64, None))
-    return cast, [cast_inputs(target, torch.float64, None, copy=True) for target in targets]
+        fresh = inputs.unspoiled()  # never the copy eager wrote into; a copy each run can take again
+        source = cast_inputs((fresh.args, fresh.kwargs, fresh.target), dtype, None, copy=True)
+        cast.append(_copied(source, inputs.signature, dtype, None))
+    return cast, [cast_inputs(target, dtype, None, copy=True) for target in targets]

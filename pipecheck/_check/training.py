@@ -32,6 +32,7 @@ from pipecheck._check.eager import check_deterministic, check_finite, output_nam
 from pipecheck._check.numerics import Row, ToleranceLike, compare, judge_power
 from pipecheck._check.report import Report
 from pipecheck._check.train_eager import (
+    cast_batches,
     float64_batches,
     float64_copy,
     prepared_batches,
@@ -47,7 +48,7 @@ from pipecheck._runtime.randomness import (
     restart_calls,
     schedule_step,
 )
-from pipecheck._split.inputs import Inputs
+from pipecheck._split.inputs import Inputs, cast_module
 from pipecheck._split.model_factory import seeded
 from pipecheck._split.pipe import Pipe
 from pipecheck.errors import EngineError, InputError, PipecheckError, plural
@@ -155,14 +156,49 @@ def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: in
     with seeded(seed):
         truth, _ = train_eager(float64_copy(built), batches64, job.training, job.loss_fn or projection_loss,
                                n, targets=targets64)
-    drift: list[StepResult | None] = [None] * len(truth)
+    rounding: list[StepResult | None] = [None] * len(truth)
+    if eager and _dtype_of(eager[0]) == torch.float64:  # eager is its own truth: float64's rounding estimated
+        rounding = _float64_rounding(built, batches, job, targets, truth, seed)
+    drift: list[StepResult | None] = list(rounding)
     if job.training.optimizer is not None and len(truth) > 0:
         for draw in range(DRIFT_RUNS):  # eager again in its dtype, on gradients moved by its own error
             with seeded(seed):
                 moved, _ = train_eager(copy.deepcopy(built), batches, job.training, job.loss_fn or projection_loss,
-                                       n, targets=targets, perturb=_perturbation(eager, truth, seed + 1 + draw))
+                                       n, targets=targets,
+                                       perturb=_perturbation(eager, truth, seed + 1 + draw, rounding))
             drift = [_larger(old, _difference(a, b)) for old, a, b in zip(drift, moved, eager)]
     return eager, truth, targets, drift
+
+
+def _dtype_of(result: StepResult) -> torch.dtype | None:
+    return next((leaf.dtype for leaf in pytree.tree_leaves(result.outputs)
+                 if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()), None)
+
+
+def _float64_rounding(built: torch.nn.Module, batches: list[Inputs], job: Job, targets: list[Any],
+                      truth: list[StepResult], seed: int) -> list[StepResult | None]:
+    """A float64 check's truth is its own eager run, which leaves a correct engine no room for its own
+    rounding (a gradient summed in another order moves the parameters by an ulp, and every later step
+    re-rolls its rounding from there). Estimated one rung down the precision ladder, value by value and
+    step by step: eager trained in float32 is off float64 by float32's error, and float64's is that
+    times eps(float64) / eps(float32), as the one-step check's truth does (pipecheck._check.truth64).
+    None per step where the model does not train in float32."""
+    ratio = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
+    batches32, targets32 = cast_batches(batches, targets, torch.float32)
+    try:
+        with seeded(seed):
+            trained, _ = train_eager(cast_module(copy.deepcopy(built), torch.float32), batches32, job.training,
+                                     job.loss_fn or projection_loss, job.n_microbatches, targets=targets32)
+    except Exception:  # a model that runs only in float64: no estimate, the float64 floor alone
+        return [None] * len(truth)
+    return [_scaled(_difference(a, b), ratio) for a, b in zip(trained, truth)]
+
+
+def _scaled(result: StepResult, factor: float) -> StepResult:
+    """Every tensor of ``result`` times ``factor``, in float64."""
+    return StepResult(**{field: pytree.tree_map(
+        lambda v: v.double() * factor if isinstance(v, torch.Tensor) else v, getattr(result, field))
+        for field in ("outputs", "loss", "grads", "buffers", "params")})
 
 
 DRIFT_RUNS = 2  # a correct engine's drift, sampled twice: one sample can be small by chance
@@ -183,8 +219,8 @@ def _larger(a: StepResult | None, b: StepResult) -> StepResult:
                       params={k: larger(v, b.params.get(k)) for k, v in a.params.items()})
 
 
-def _perturbation(eager: list[StepResult], truth: list[StepResult], seed: int
-                  ) -> Callable[[int, str, torch.Tensor], torch.Tensor]:
+def _perturbation(eager: list[StepResult], truth: list[StepResult], seed: int,
+                  rounding: Sequence[StepResult | None] = ()) -> Callable[[int, str, torch.Tensor], torch.Tensor]:
     """Gradients moved, element by element with random signs, by as much as eager's own are off the truth
     there.
 
@@ -199,7 +235,12 @@ def _perturbation(eager: list[StepResult], truth: list[StepResult], seed: int
         own, true = eager[step].grads.get(name), truth[step].grads.get(name)
         if own is None or true is None:
             return torch.zeros_like(grad)
-        size = DRIFT_SCALE * (own.double() - true.to(own.device)).abs().to(grad)
+        off = (own.double() - true.to(own.device)).abs()
+        estimate = rounding[step] if step < len(rounding) else None
+        estimated = estimate.grads.get(name) if estimate is not None else None
+        if isinstance(estimated, torch.Tensor) and estimated.shape == off.shape:  # a float64 check: eager is the truth
+            off = torch.maximum(off, estimated.to(off.device))
+        size = DRIFT_SCALE * off.to(grad)
         signs = torch.randint(0, 2, grad.shape, generator=generator, dtype=torch.int8).to(grad.device) * 2 - 1
         return signs.to(grad) * size
     return perturb
