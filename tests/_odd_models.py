@@ -113,3 +113,36 @@ class NearlyEqualBatchNorm(nn.Module):
 
 def nearly_equal_samples(spread: float = 1e-5, batch: int = 8, width: int = 16) -> torch.Tensor:
     return 10 + spread * torch.randn(batch, width, generator=torch.Generator().manual_seed(0))
+
+
+class ZeroMeanBatchNorm(nn.Module):
+    """Conv, BatchNorm, a bias-free 1x1 conv, BatchNorm (MobileNetV3's pattern): the second BatchNorm's
+    input has mean 0 per channel, so its running mean is rounding noise (float64: ~1e-18)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.pw = nn.Conv2d(8, 8, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.bn2(self.pw(self.bn1(self.conv(x))))
+        return self.head(torch.relu(x).mean(dim=(2, 3)))
+
+
+def zero_mean_batchnorm() -> nn.Module:
+    torch.manual_seed(0)
+    return ZeroMeanBatchNorm()
+
+
+def images(batch: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, 3, 6, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def conv_batchnorm_cnn() -> nn.Module:
+    """Conv layers with biases, each followed by BatchNorm (which cancels the bias's gradient)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipecheck._check.numerics import AUTO_FLOOR_EPS, nonfinite
+from pipecheck._core.precision import PLAIN, Precision
 from pipecheck._core.result import StepResult
 from pipecheck._core.torch_warnings import torch_internal_warnings_ignored
 from pipecheck._split.inputs import Inputs, cast_module
@@ -39,28 +40,40 @@ def output_name(path: tuple[Any, ...]) -> str:
 
 def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_microbatches: int,
                check_grads: bool, *, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,
-               target: Any = None, backward_each: bool = False) -> tuple[StepResult, Any]:
+               target: Any = None, backward_each: bool = False,
+               precision: Precision = PLAIN) -> tuple[StepResult, Any]:
     """The model run eagerly on each micro-batch; loss = mean of per-micro-batch losses.
 
     Runs on ``inputs`` (or on ``args``/``kwargs``/``target`` bound the same way, e.g. their
     float64 copies). Returns the result and the target used (the projection weights when
     ``loss_fn`` is None). ``backward_each`` (with a ``loss_fn``): each micro-batch's backward
     right after its forward, gradients summed, so that one micro-batch's activations are alive at
-    a time (the float64 truth's memory), not all of them.
+    a time (the float64 truth's memory), not all of them. ``precision``: forwards under its autocast,
+    and with its ``grad_accumulation`` each micro-batch's gradient summed in that dtype, first to last.
     """
     if args is None:
         args, kwargs, target = inputs.args, inputs.kwargs, inputs.target
     bound = inputs.signature.bind(*args, **(kwargs or {}))
     calls = [inspect.BoundArguments(bound.signature, chunk)
              for chunk in split_microbatches(dict(bound.arguments), n_microbatches)]  # errors name the input
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if precision.grad_accumulation is not None and check_grads:
+        if loss_fn is None:  # the projection's weights come from the outputs: one plain forward first
+            with torch.no_grad(), buffers_kept(model), precision.forward(device):
+                outputs = [_call(model, call, n_microbatches, whole=bound) for call in calls]
+            loss_fn, target = projection_loss, projection_target(merge_microbatches(_detached(outputs)))
+            del outputs
+        backward_each = True
     if backward_each and loss_fn is not None and check_grads:
-        return _step_each(model, bound, calls, MicrobatchLoss(loss_fn, target, n_microbatches)), target
-    outputs = [_call(model, call, n_microbatches, whole=bound) for call in calls]
+        return _step_each(model, bound, calls, MicrobatchLoss(loss_fn, target, n_microbatches), precision), target
+    with precision.forward(device):
+        outputs = [_call(model, call, n_microbatches, whole=bound) for call in calls]
     merged = merge_microbatches(_detached(outputs))
     if loss_fn is None:
         loss_fn, target = projection_loss, projection_target(merged)
     loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
-    loss = torch.stack([loss_of(mb, out) for mb, out in enumerate(outputs)]).mean()
+    with precision.forward(device):
+        loss = torch.stack([loss_of(mb, out) for mb, out in enumerate(outputs)]).mean()
     grads: dict[str, torch.Tensor] = {}
     input_grads: dict[str, torch.Tensor] = {}
     if check_grads:
@@ -73,27 +86,64 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
 
 
 def _step_each(model: nn.Module, bound: inspect.BoundArguments, calls: list[inspect.BoundArguments],
-               loss_of: MicrobatchLoss) -> StepResult:
-    """:func:`eager_step` with each micro-batch's backward (of its loss / n) before the next forward."""
-    n = len(calls)
+               loss_of: MicrobatchLoss, precision: Precision = PLAIN) -> StepResult:
+    """:func:`eager_step` with each micro-batch's backward (of its loss / n) before the next forward;
+    parameter gradients summed in ``precision.grad_accumulation`` where it says."""
     params, named_inputs = _differentiable(model, bound)
-    wrt = [p for _, p in params] + [t for _, t in named_inputs]
-    sums: list[torch.Tensor | None] = [None] * len(wrt)
+    sums: list[torch.Tensor | None] = [None] * (len(params) + len(named_inputs))
     outputs, losses = [], []
-    for mb, call in enumerate(calls):
-        out = _call(model, call, n, whole=bound)
-        loss = loss_of(mb, out)
-        if wrt and loss.requires_grad:
-            for i, grad in enumerate(_gradients(model, loss / n, wrt)):
-                if grad is not None:
-                    total = sums[i]
-                    sums[i] = grad if total is None else total + grad
-        outputs.append(_detached(out))
-        losses.append(loss.detach())
-        del out, loss
+    accumulate = precision.grad_accumulation
+    for out, loss, got in _each_microbatch(model, bound, calls, loss_of, precision):
+        for i, grad in enumerate(got):
+            if grad is not None:
+                if accumulate is not None and i < len(params):
+                    grad = grad.to(accumulate)
+                total = sums[i]
+                sums[i] = grad if total is None else total + grad
+        outputs.append(out)
+        losses.append(loss)
     grads, input_grads = _by_name(params, named_inputs, sums)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     return StepResult(merge_microbatches(outputs), torch.stack(losses).mean(), grads, input_grads, buffers)
+
+
+def microbatch_shares(model: nn.Module, inputs: Inputs, loss_fn: LossFn, target: Any, n_microbatches: int,
+                      precision: Precision = PLAIN) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor]]:
+    """Each micro-batch's own share of the eager step's parameter gradients (the gradient of its
+    loss / n, run on its own, forward under ``precision``'s autocast), and its loss, in micro-batch
+    order: summed, they are the step's gradients and loss in another order. The model's buffers are
+    left as found."""
+    bound = inputs.signature.bind(*inputs.args, **inputs.kwargs)
+    calls = [inspect.BoundArguments(bound.signature, chunk)
+             for chunk in split_microbatches(dict(bound.arguments), n_microbatches)]
+    params, _ = _differentiable(model, bound)
+    shares, losses = [], []
+    with buffers_kept(model):
+        for _, loss, got in _each_microbatch(model, bound, calls, MicrobatchLoss(loss_fn, target, n_microbatches),
+                                             precision):
+            shares.append(_by_name(params, [], got[:len(params)])[0])
+            losses.append(loss)
+    return shares, losses
+
+
+def _each_microbatch(model: nn.Module, bound: inspect.BoundArguments, calls: list[inspect.BoundArguments],
+                     loss_of: MicrobatchLoss, precision: Precision = PLAIN
+                     ) -> Iterator[tuple[Any, torch.Tensor, Sequence[torch.Tensor | None]]]:
+    """Per micro-batch, its forward (under ``precision``'s autocast) and backward of its loss / n:
+    (outputs, loss, gradients in :func:`_differentiable`'s order), one micro-batch's activations alive
+    at a time."""
+    n = len(calls)
+    params, named_inputs = _differentiable(model, bound)
+    wrt = [p for _, p in params] + [t for _, t in named_inputs]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    for mb, call in enumerate(calls):
+        with precision.forward(device):  # the loss too, as a training loop under autocast computes it
+            out = _call(model, call, n, whole=bound)
+            loss = loss_of(mb, out)
+        got: Sequence[torch.Tensor | None] = (_gradients(model, loss / n, wrt) if wrt and loss.requires_grad
+                                              else [None] * len(wrt))
+        yield _detached(out), loss.detach(), got
+        del out, loss
 
 
 def _detached(tree: Any) -> Any:

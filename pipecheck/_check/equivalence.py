@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from pipecheck._check.anchor import eager_anchor, low_precision
 from pipecheck._check.compare import compare_all
 from pipecheck._check.eager import (
     buffers_kept,
@@ -38,6 +39,7 @@ from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_toleranc
 from pipecheck._check.report import Report, percent
 from pipecheck._check.training import check_training, refuse_one_call, with_dropout
 from pipecheck._check.truth64 import float64_truth
+from pipecheck._core.precision import Precision, resolve_precision
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, OptimizerFactory, Training
 from pipecheck._runners.arguments import check_arguments, plain, training_arguments
@@ -90,6 +92,7 @@ def assert_equivalent(
     trace_path: str | None = None, steps: int = 1, optimizer: OptimizerFactory | None = None,
     clip_grad_norm: float | None = None, accumulation_steps: int = 1, loss_reduction: str = "mean",
     ignore_index: int = -100, batches: Sequence[Batch] | None = None, data_parallel: int = 1,
+    precision: Precision | None = None,
 ) -> Report:
     """Check that ``runner`` computes the eager model's outputs, loss and gradients.
 
@@ -104,7 +107,11 @@ def assert_equivalent(
     ``pc.Batch`` per schedule step; default: ``args`` every time); ``loss_reduction`` "mean" (of
     micro-batch losses), "token_mean" (per-token losses over the valid tokens of the whole optimizer
     step, ``ignore_index`` skipped) or "sum"; ``data_parallel`` pipeline replicas, each on its
-    shard of every batch. The runner needs a ``train`` method. Raises
+    shard of every batch. The runner needs a ``train`` method.
+
+    ``precision`` (a :class:`pipecheck.Precision`, docs/use.md#low-precision): the parameters' dtype
+    (as ``dtype``), gradients summed over micro-batches in float32, or ``torch.autocast``, run the same way
+    by eager, the reference and the runner. Raises
     :class:`pipecheck.EquivalenceError` (an AssertionError) with a table naming
     every failing tensor, or returns the :class:`pipecheck.Report`.
     """
@@ -124,8 +131,10 @@ def assert_equivalent(
     _refuse_untravelled(runner, training)
     if not training.plain or given_batches:
         refuse_one_call(run, runner_name, training)  # before any work
+    precision = resolve_precision(dtype, precision)
+    _refuse_unfollowed(precision, run, runner_name, training, given_batches)
     check = functools.partial(_check, model, args, kwargs, split_spec, policy, loss_fn, target, n_microbatches,
-                              schedule, world_size, runner_name, run, device, dtype, tolerance, check_grads, seed,
+                              schedule, world_size, runner_name, run, device, precision, tolerance, check_grads, seed,
                               tracer, stages_per_rank, timeout, world, trace_path, training, given_batches)
     with _ONE_CHECK_AT_A_TIME:
         hits: list[Hit] = []
@@ -147,13 +156,14 @@ _ONE_CHECK_AT_A_TIME = threading.RLock()
 
 def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: SplitSpec | None,
            policy: Policy | None, loss_fn: LossFn | None, target: Any, n_microbatches: int, schedule: str,
-           world_size: int | None, runner_name: str, run: Runner, device: str | None, dtype: torch.dtype | None,
+           world_size: int | None, runner_name: str, run: Runner, device: str | None, precision: Precision,
            tolerance: ToleranceLike, check_grads: bool, seed: int, tracer: str, stages_per_rank: int,
            timeout: float | None, world: World | None, trace_path: str | None, training: Training,
            given_batches: tuple[Batch, ...], hits: list[Hit] | None) -> Report:
     """One check; ``hits``: where a split reused from an earlier check is noted (None: trace afresh)."""
     timings: dict[str, float] = {}
     started = time.perf_counter()
+    dtype = precision.dtype
 
     @contextmanager
     def clock(phase: str) -> Iterator[None]:
@@ -190,14 +200,13 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         return _verdict(report, tolerance, factory)
     initial_buffers = {name: b.detach().clone() for name, b in built.named_buffers()}
     with clock("eager_s"), seeded(seed), buffers_kept(built):  # the user's RNG: untouched
-        eager, target_used = eager_step(built, inputs, loss_fn, n_microbatches, check_grads)
+        eager, target_used = eager_step(built, inputs, loss_fn, n_microbatches, check_grads, precision=precision)
     inputs = inputs.unspoiled()
     with clock("probe_s"):  # two forwards of one micro-batch
         check_deterministic(built, inputs, n_microbatches, seed)
     with clock("fp64_s"):  # built as it was after
         ref64 = float64_truth(built, inputs, loss_fn or projection_loss, target_used, n_microbatches, check_grads,
                               seed, result_dtype(eager))
-    del built
     check_finite(eager)
 
     inputs = inputs.unspoiled()
@@ -205,19 +214,26 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
               tracer=tracer, loss_fn=loss_fn or projection_loss, target=target_used,
               n_microbatches=n_microbatches, schedule=schedule, world_size=world_size,
               stages_per_rank=stages_per_rank, device=str(device or "cpu"), timeout=timeout, world=world,
-              trace_path=trace_path, pipe=pipe)
+              trace_path=trace_path, pipe=pipe, precision=precision)
     with clock("runner_s"):
         result = _run(run, runner_name, dataclasses.replace(job, kwargs=dict(job.kwargs)))
+    anchored: ToleranceLike = tolerance
+    anchor_notes: list[str] = []
+    if tolerance == "auto" and low_precision(eager, precision):  # float64 is too far from eager to anchor on
+        with clock("anchor_s"):
+            anchored, anchor_notes = eager_anchor(built, inputs, dataclasses.replace(job, **_fresh(inputs)), eager,
+                                                  result, ref64, seed, check_grads)
+    del built
     clean = inputs.unspoiled()  # hints re-run the reference: never on inputs the runner wrote into
     job = dataclasses.replace(job, args=clean.args, kwargs=clean.kwargs)
     reference = ReferenceByMicrobatch(job)  # run only on failure, by the hints and the locating step
     with clock("compare_s"):
-        rows, hints, notes = compare_all(pipe, job, result, eager, ref64, tolerance, check_grads, initial_buffers,
+        rows, hints, notes = compare_all(pipe, job, result, eager, ref64, anchored, check_grads, initial_buffers,
                                          reference)
     timings["total_s"] = time.perf_counter() - started
-    report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
+    report = Report(runner_name, rows, hints, str(anchored),
                     str(result_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings,
-                    notes, pipe.tracer)
+                    anchor_notes + notes, pipe.tracer, precision=precision.describe())
     _judge_blind(report, tolerance)
     if not report.ok:
         # a factory that builds other weights on each call: no runner can match, whatever the table says
@@ -232,6 +248,25 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         report.timings["locate_s"] = timings["locate_s"]
         raise EquivalenceError(report.failure_text(), report)
     return report
+
+
+def _refuse_unfollowed(precision: Precision, run: Runner, runner_name: str, training: Training,
+                       given_batches: tuple[Batch, ...]) -> None:
+    """Mixed precision (float32 sums, autocast) asked of a runner that does not say it follows it, or of a
+    training check: refused before any work."""
+    if not precision.mixed:
+        return
+    if not training.plain or given_batches:
+        raise InputError(f"pc.Precision({precision.describe()}) is checked one step at a time for now: a training "
+                         f"check ({training.describe()}) runs in the parameters' dtype alone. Fix: check one step "
+                         "with precision=..., and train with dtype=... .")
+    if not getattr(run, "follows_precision", False):
+        raise InputError(
+            f"runner {runner_name!r} does not say it runs as pc.Precision({precision.describe()}) asks: a check "
+            "would compare it with eager run that way, and blame it for what its engine was never set to do. Fix: "
+            "runner='reference' or runner='distributed'; for your own runner, run each forward under "
+            "job.precision.forward(device) and sum each parameter's micro-batch gradients in "
+            "job.precision.grad_accumulation, then set its attribute follows_precision = True.")
 
 
 def _refuse_untravelled(runner: Any, training: Training) -> None:

@@ -19,13 +19,20 @@ value is zero, or negligible beside the largest of its kind and at the level of
 eager's own error of it (a gradient that cancels to zero: float32 cannot
 resolve it at all), has no relative power to speak of and is
 ``numerically_zero``, never blind (:func:`judge_power`, over a check's rows).
+
+Anchored on eager (a check in bfloat16 or float16, :mod:`pipecheck._check.anchor`): float64 is too
+far from eager there to anchor a useful tolerance, so a tensor is compared with eager in its own
+dtype, given ``noise``: how far legitimate re-orderings of the same math move it from eager. It
+passes when every element is within ``2 * noise.largest + eps * s + 2 * eps * |eager|`` (``s``:
+eager's largest magnitude) and the whole tensor within ``2 * noise.norm + eps / 2`` of eager's
+norm (``row.norm_power``: a spread-out error of that size is seen even where each element hides).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +44,7 @@ AUTO_MULTIPLE = 4.0
 AUTO_FLOOR_EPS = 2.0
 POWER_LIMIT = 0.1  # a row that cannot see an error of 10% of its tensor's scale sees no gross bug
 NEGLIGIBLE = 1e-4  # a tensor whose largest true value is below this fraction of its kind's largest is small
+SUBNORMAL_ULPS = 4.0  # anchored on eager: an absolute floor of a few of the dtype's smallest steps
 NOISE_LEVEL = 0.25  # ... and numerically zero when eager is off by this fraction of it or more: eager cannot resolve it
 
 
@@ -60,7 +68,41 @@ class Tolerance:
         return f"rtol {self.rtol:.1e} atol {self.atol:.1e}"
 
 
-ToleranceLike = Tolerance | str
+@dataclass(frozen=True)
+class EagerAnchored:
+    """Tolerance "auto" anchored on eager in its own dtype (``dtype``, a low-precision one): each row's
+    noise by name (:mod:`pipecheck._check.anchor` measures it; a row it has none for has none). The rows
+    ``zero`` are numerically zero (:func:`numerically_zero`): eager's value there is rounding noise, no
+    anchor, and they are held to the float64 truth."""
+
+    noise: dict[str, Noise]
+    dtype: str
+    zero: frozenset[str] = frozenset()
+
+    def noise_of(self, name: str) -> Noise | None:
+        """A row's noise (None: anchored on float64); a tied replica's row (``grad w (replica in stage
+        2)``) has its gradient's."""
+        name = name.split(" (replica in stage ", 1)[0]
+        return None if name in self.zero else self.noise.get(name, Noise())
+
+    def __str__(self) -> str:
+        return f"auto, anchored on eager {self.dtype}"
+
+
+ToleranceLike = Tolerance | str | EagerAnchored
+
+
+@dataclass(frozen=True)
+class Noise:
+    """How far legitimate re-orderings of one tensor's math (micro-batches summed in another order
+    or dtype, a skip connection's gradients added in another order) move it from eager: the largest
+    elementwise deviation, and the largest deviation's norm as a fraction of eager's norm."""
+
+    largest: float = 0.0
+    norm: float = 0.0
+
+    def __or__(self, other: Noise) -> Noise:
+        return Noise(max(self.largest, other.largest), max(self.norm, other.norm))
 
 
 def check_tolerance(tolerance: Any) -> ToleranceLike:
@@ -96,6 +138,10 @@ class Row:
     blind: bool = False  # set by judge_power: power above POWER_LIMIT on a tensor that is not negligible
     numerically_zero: bool = False  # set by judge_power: tiny beside the largest of its kind (see there)
     kind: str = ""  # one of KINDS, set by whoever compares; a row made by hand (a test's) gets its name's
+    # Anchored on eager (low precision): ||test - eager|| / ||eager||, the most it may be, and the smallest
+    # such error the row sees (None: not anchored on eager, or eager is all zeros there).
+    norm_error: float | None = None
+    norm_bound: float | None = None
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -131,13 +177,17 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
     is only read under ``"auto"``. With ``microbatches`` > 1 (an output merged from that many equal
     micro-batch slices along dim 0), a failing row also names the micro-batches whose slice holds a
     failing element. ``truth_error``: how far ``ref64`` itself may be off, element by element (a truth
-    that ran an op in float32); "auto" adds it to eager's error."""
-    row = _compare(name, test, eager, ref64, tolerance, stages, microbatches, truth_error)
+    that ran an op in float32); "auto" adds it to eager's error. :class:`EagerAnchored`: "auto" anchored
+    on eager in its own dtype, with each row's legitimate noise (see the module's docstring)."""
+    noise = tolerance.noise_of(name) if isinstance(tolerance, EagerAnchored) else None
+    plain = "auto" if isinstance(tolerance, EagerAnchored) else tolerance
+    row = _compare(name, test, eager, ref64, plain, stages, microbatches, truth_error, noise)
     return dataclasses.replace(row, kind=kind or row.kind)
 
 
 def _compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLike,
-             stages: tuple[int, ...], microbatches: int, truth_error: torch.Tensor | None) -> Row:
+             stages: tuple[int, ...], microbatches: int, truth_error: torch.Tensor | None,
+             noise: Noise | None = None) -> Row:
     tol_text = "exact" if tolerance == "exact" else str(tolerance)
     if not isinstance(eager, torch.Tensor):
         try:
@@ -161,7 +211,7 @@ def _compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceL
                  else truth_error if isinstance(truth_error, torch.Tensor) and truth_error.shape == (*shape, 2)
                  else None)  # pipecheck._check.truth64 gives it as (real, imaginary) pairs
         row = _compare(name, torch.view_as_real(test.detach().resolve_conj()),  # a conjugate view: resolved
-                       torch.view_as_real(eager.detach().resolve_conj()), real, tolerance, stages, 0, error)
+                       torch.view_as_real(eager.detach().resolve_conj()), real, tolerance, stages, 0, error, noise)
         index = row.worst_index[:-1] if row.worst_index is not None else None  # the element, not its part
         return dataclasses.replace(row, shape=shape, worst_index=index)
     device = eager.device  # compared where eager's result lives: no copy to the host per tensor
@@ -177,6 +227,8 @@ def _compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceL
                     microbatches, _Power(_scale(eager64), tolerance.atol, tolerance.rtol, None))
     truth = ref64.detach().to(device=device, dtype=torch.float64)
     eps = torch.finfo(eager.dtype).eps if eager.is_floating_point() else 0.0
+    if noise is not None:
+        return _against_eager(name, stages, shape, test64, eager64, truth, noise, eager.dtype, microbatches)
     rtol = AUTO_FLOOR_EPS * eps
     if device.type == "cpu" and _all_finite(test64, eager64, truth):  # the common case, without masks
         # (on a GPU the finiteness test would be one more sync per row: the general path runs there)
@@ -200,6 +252,44 @@ def _compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceL
                 atol, microbatches, _Power(scale, atol, rtol, eager_err))
 
 
+def _against_eager(name: str, stages: tuple[int, ...], shape: tuple[int, ...], test64: torch.Tensor,
+                   eager64: torch.Tensor, truth: torch.Tensor, noise: Noise, dtype: torch.dtype,
+                   microbatches: int) -> Row:
+    """The row anchored on eager in its own dtype (low precision): elementwise within
+    ``2 * noise.largest + eps * s + 2 * eps * |eager|`` (and SUBNORMAL_ULPS of the dtype's subnormals:
+    float16 gradients of 1e-7 round there, each engine its own way), and as a norm within
+    ``2 * noise.norm + eps / 2``. The truth only measures how far eager itself is off (``row.eager_off``,
+    for :func:`judge_power`)."""
+    info = torch.finfo(dtype) if dtype.is_floating_point else None  # an integer tensor: exact
+    eps, subnormal = (info.eps, info.eps * info.tiny) if info is not None else (0.0, 0.0)
+    diff = _Diff(test64, eager64)
+    scale = _scale(eager64)
+    atol = 2 * noise.largest + eps * scale + SUBNORMAL_ULPS * subnormal
+    rtol = 2 * eps
+    finite = torch.isfinite(eager64) & torch.isfinite(truth)
+    true_scale = torch.where(finite, truth.abs(), 0.0).max()
+    eager_err = torch.where(finite, (eager64 - truth).abs(), 0.0).max()
+    # a NaN or infinity where eager has a number already fails elementwise: the norm reads the rest
+    plain = diff.ref_finite & ~diff.nan & torch.isfinite(diff.abs)
+    norm = _Norm(torch.where(plain, diff.abs, 0.0).norm(), torch.where(plain, eager64, 0.0).norm(),
+                 2 * noise.norm + eps / 2, SUBNORMAL_ULPS * subnormal * diff.abs.numel() ** 0.5)
+    row = _row(name, stages, shape, diff, diff.failing(atol, rtol),
+               lambda a: f"eager: atol {a:.1e} rtol {rtol:.1e}, norm {norm.bound:.1e}", atol, microbatches,
+               _Power(true_scale, atol, rtol, eager_err, eager_scale=scale, norm=norm))
+    return row
+
+
+@dataclass
+class _Norm:
+    """A row's norm check: ``||test - eager||`` (a device scalar) against ``bound * ||eager||`` plus
+    ``floor`` (the subnormals' share)."""
+
+    error: torch.Tensor
+    eager: torch.Tensor
+    bound: float
+    floor: float
+
+
 def _all_finite(*tensors: torch.Tensor) -> bool:
     """Whether no element of ``tensors`` is NaN or infinite, by their sums (one read back): a NaN or
     an infinity makes a sum non-finite, and a sum that overflows only sends the row the long way."""
@@ -216,19 +306,25 @@ def _scale(values: torch.Tensor) -> torch.Tensor:
 class _Power:
     """What a row's power is computed from (device tensors or numbers, read back with its other numbers):
     the tensor's largest true magnitude, the bound ``atol + rtol * |value|``, and eager's own error
-    against the truth (None: no truth)."""
+    against the truth (None: no truth). Anchored on eager: the largest magnitude the bound is relative
+    to (``eager_scale``; default the true one) and the norm check."""
 
     scale: torch.Tensor | float
     atol: torch.Tensor | float
     rtol: float
     eager_error: torch.Tensor | float | None
+    eager_scale: torch.Tensor | float | None = None
+    norm: _Norm | None = None
 
     def numbers(self, device: torch.device) -> list[torch.Tensor]:
         """Device scalars, read back with the row's other numbers (a Python number is filled on the
         device, never copied from the host: no sync per row on a GPU)."""
+        norm = ((self.norm.error - self.norm.floor).clamp_min(0.0), self.norm.eager) if self.norm is not None \
+            else (-1.0, -1.0)
         return [v.to(torch.float64).reshape(()) if isinstance(v, torch.Tensor)
                 else torch.full((), float(v), dtype=torch.float64, device=device)
-                for v in (self.scale, self.atol, -1.0 if self.eager_error is None else self.eager_error)]
+                for v in (self.scale, self.atol, -1.0 if self.eager_error is None else self.eager_error,
+                          self.scale if self.eager_scale is None else self.eager_scale, *norm)]
 
 
 def power_of(scale: float, atol: float, rtol: float) -> float:
@@ -239,28 +335,42 @@ def power_of(scale: float, atol: float, rtol: float) -> float:
 
 
 def judge_power(rows: list[Row]) -> list[Row]:
-    """``rows`` with ``blind`` and ``numerically_zero`` set. A row is numerically zero when its true value
-    is exactly zero, or when it is below NEGLIGIBLE of the largest value of its kind (gradients with
-    gradients, outputs with outputs; the loss with the outputs) while eager is off by NOISE_LEVEL of it
-    or more (eager cannot resolve it: a sum that cancels). A buffer never is (a mask buffer's huge fill
-    value would excuse its neighbours). A row is blind when it is not numerically zero and its power is
-    above POWER_LIMIT."""
-    largest: dict[str, float] = {}
-    for row in rows:
-        kind = row.kind
-        largest[kind] = max(largest.get(kind, 0.0), row.scale)
-    largest["loss"] = max(largest.get("loss", 0.0), largest.get("outputs", 0.0))
+    """``rows`` with ``blind`` and ``numerically_zero`` (:func:`numerically_zero`) set. A row is blind
+    when it is not numerically zero and its power is above POWER_LIMIT."""
+    largest = largest_by_kind((row.kind, row.scale) for row in rows)
     judged = []
     for row in rows:
         if row.power is None or not row.numel:
             judged.append(row)
             continue
-        kind = row.kind
-        zero = row.scale == 0 or (kind != "buffers" and row.scale < NEGLIGIBLE * largest[kind]
-                                  and row.eager_off is not None and row.eager_off >= NOISE_LEVEL)
+        zero = numerically_zero(row.kind, row.scale, row.eager_off, largest)
         judged.append(dataclasses.replace(row, numerically_zero=zero,
                                           blind=row.power > POWER_LIMIT and not zero))
     return judged
+
+
+FILL = 1e30  # a magnitude no computed value reaches but a fill value (a mask's finfo(float32).min)
+
+
+def largest_by_kind(scales: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """The largest true magnitude of each kind of row, from ``(kind, scale)`` pairs; the loss counts
+    with the outputs, and a fill value (a mask buffer's) is no magnitude."""
+    largest: dict[str, float] = {}
+    for kind, scale in scales:
+        if scale < FILL:
+            largest[kind] = max(largest.get(kind, 0.0), scale)
+    largest["loss"] = max(largest.get("loss", 0.0), largest.get("outputs", 0.0))
+    return largest
+
+
+def numerically_zero(kind: str, scale: float, eager_off: float | None, largest: dict[str, float]) -> bool:
+    """Whether a tensor's true value (largest magnitude ``scale``) is zero, or below NEGLIGIBLE of the
+    largest of its kind (``largest``: :func:`largest_by_kind`; gradients with gradients, outputs with
+    outputs, buffers with buffers) while eager is off by NOISE_LEVEL of it or more (``eager_off``, a
+    fraction of ``scale``): eager cannot resolve it, a sum that cancels, a running mean of values
+    whose mean is zero."""
+    return scale == 0 or (scale < NEGLIGIBLE * largest.get(kind, 0.0)
+                          and eager_off is not None and eager_off >= NOISE_LEVEL)
 
 
 class _Diff:
@@ -324,8 +434,11 @@ def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff
                            atol if atol is not None else torch.zeros((), dtype=torch.float64, device=absolute.device),
                            diff.test_nans().to(torch.float64), *power.numbers(absolute.device)])
     (max_abs, max_rel, failing_count, flat_any, atol_value, nan_count, scale, atol_bound,
-     eager_error) = numbers.tolist()
+     eager_error, bound_scale, norm_error, norm_eager) = numbers.tolist()
     off = eager_error / scale if eager_error >= 0 and scale > 0 else None
+    norm_fields: dict[str, Any] = {}
+    if power.norm is not None and norm_eager > 0:  # eager all zeros: the elementwise bound alone
+        norm_fields = {"norm_error": norm_error / norm_eager, "norm_bound": power.norm.bound}
     # the worst failing element (only on failure: one more read), else the worst of all
     flat = int(torch.argmax(torch.where(failing, absolute, -1.0))) if failing_count else flat_any
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), absolute.shape)) if absolute.dim() else ()
@@ -333,10 +446,11 @@ def _row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], diff: _Diff
     if failing_count and microbatches > 1 and failing.dim() and failing.shape[0] % microbatches == 0:
         per_slice = failing.reshape(microbatches, -1).any(dim=1).tolist()  # only on failure: one more read
         by_microbatch = tuple(mb for mb, fails in enumerate(per_slice) if fails)
-    return Row(name, tuple(stages), shape, failing_count == 0, max_abs, max_rel, tol(atol_value), index,
+    norm_ok = not norm_fields or norm_fields["norm_error"] <= norm_fields["norm_bound"]
+    return Row(name, tuple(stages), shape, failing_count == 0 and norm_ok, max_abs, max_rel, tol(atol_value), index,
                int(failing_count), absolute.numel(), n_nan=int(nan_count), failing_microbatches=by_microbatch,
-               power=power_of(scale, atol_bound, power.rtol), scale=scale, bound=atol_bound + power.rtol * scale,
-               eager_off=off)
+               power=power_of(bound_scale, atol_bound, power.rtol), scale=scale,
+               bound=atol_bound + power.rtol * bound_scale, eager_off=off, **norm_fields)
 
 
 def nonfinite(value: torch.Tensor) -> bool:

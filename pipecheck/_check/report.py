@@ -52,6 +52,19 @@ def percent_ceiling(fraction: float) -> str:
     return f"{10.0 ** exponent:.{max(0, -exponent)}f}%"
 
 
+def percent_up(fraction: float) -> str:
+    """``fraction`` rounded up to one significant digit, in percent: ``0.033`` -> ``"4%"``,
+    ``0.0011`` -> ``"0.2%"``. A power stated as the check sees it, never better."""
+    if fraction == float("inf"):
+        return "any size"
+    value = 100 * fraction
+    if value <= 0:
+        return "0%"
+    exponent = math.floor(math.log10(value))
+    digit = math.ceil(value / 10.0 ** exponent - 1e-9)
+    return f"{digit * 10.0 ** exponent:.{max(0, -exponent)}f}%"
+
+
 def _num(x: float) -> str:
     return f"{x:.2e}" if x == x and x != float("inf") else ("inf" if x == float("inf") else "nan")
 
@@ -65,6 +78,8 @@ def _cells(row: Row) -> tuple[str, ...]:
     failing = f"{row.n_failing}/{row.numel}"
     if row.failing_microbatches:
         failing += f" in mb {','.join(map(str, row.failing_microbatches))}"
+    if row.norm_error is not None and row.norm_bound is not None and row.norm_error > row.norm_bound:
+        failing += f", norm off {row.norm_error:.1e} > {row.norm_bound:.1e}"  # a spread-out error
     return (row.name, stages, shape, _num(row.max_abs), _num(row.max_rel), row.tolerance, worst, failing)
 
 
@@ -201,6 +216,7 @@ class Report:
     first_divergence: Divergence | None = None
     located: str = ""
     training: str = ""  # a check that trained: its loop ("3 steps of SGD, loss mean"); "": one step
+    precision: str = ""  # pc.Precision beyond a dtype: "gradients accumulated in float32", "autocast bfloat16"
 
     @property
     def failures(self) -> list[Row]:
@@ -222,21 +238,32 @@ class Report:
         return max(powers) if powers else None
 
     @property
+    def norm_power(self) -> float | None:
+        """Anchored on eager (a low-precision check): the smallest error, as a fraction of its tensor's
+        norm, that every compared tensor sees as a norm (numerically zero tensors aside). None: not
+        anchored on eager."""
+        bounds = [r.norm_bound for r in self.rows if r.norm_bound is not None and not r.numerically_zero]
+        return max(bounds) if bounds else None
+
+    @property
     def blind(self) -> list[Row]:
         """Rows that could hide an error of POWER_LIMIT (10%) of their tensor's scale."""
         return [r for r in self.rows if r.blind]
 
     def _settings(self) -> str:
         split_by = f" split by {self.tracer}" if self.tracer else ""
-        return (f"tolerance {self.tolerance}, {self.dtype}, {plural(self.num_stages, 'stage')}{split_by}, "
+        dtype = f"{self.dtype} ({self.precision})" if self.precision else self.dtype
+        return (f"tolerance {self.tolerance}, {dtype}, {plural(self.num_stages, 'stage')}{split_by}, "
                 f"{plural(self.n_microbatches, 'micro-batch')}" + (f", {self.training}" if self.training else ""))
 
     def headline(self) -> str:
         if self.ok:
-            power = self.power
+            power, norm = self.power, self.norm_power
             zero = sum(r.numerically_zero for r in self.rows)
-            sees = "" if power is None else (f"; can see errors >= {percent_ceiling(power)} on every row"
-                                             + (f" but {zero} numerically zero" if zero else ""))
+            but = f" but {zero} numerically zero" if zero else ""
+            sees = "" if power is None else (
+                f"; can see errors >= {percent_ceiling(power)} on every row{but}" if norm is None
+                else f"; can see errors >= {percent_up(power)} on every element, >= {percent_up(norm)} as a norm{but}")
             return f"pipecheck: runner {self.runner!r} matches eager ({len(self.rows)} tensors{sees}; {self._settings()})"
         return (f"pipecheck: runner {self.runner!r} does not match eager "
                 f"({len(self.failures)} of {len(self.rows)} tensors fail; {self._settings()})")
@@ -262,7 +289,7 @@ class Report:
         table = format_plain_table(("tensor", "stage", "can see errors >=", f"eager {self.dtype} off float64 by"),
                                    cells)
         more = f"\n... {len(blind) - len(shown)} more: err.report.blind lists them" if len(blind) > len(shown) else ""
-        return head + table + more + "\n" + fix
+        return head + table + more + "\n" + fix + self._notes()
 
     def table(self) -> str:
         """Every row, passing and failing, with its hint: the whole of what ``str(report)`` may cut."""

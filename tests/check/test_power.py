@@ -136,11 +136,14 @@ def test_blind_and_numerically_zero_are_judged_against_the_largest_value_of_the_
         "grad e": (False, True),  # exactly zero
         "grad f": (False, False),  # empty: nothing to judge
         "loss": (False, True),  # a loss that cancels, beside outputs of size 2
-        "buffer m": (True, False),  # a buffer is never excused (a mask's huge fill would excuse its neighbours)
+        "buffer m": (False, True),  # a running mean of values whose mean is zero, beside a large buffer
         "buffer big": (False, False),
         "grad x": (True, False),  # an explicit tolerance: no truth to call it zero by
     }
     assert NEGLIGIBLE < POWER_LIMIT
+    # a mask buffer's fill value (finfo(float32).min) is no magnitude: it excuses no neighbour
+    beside_a_mask = judge_power([_row("buffer mask", 3.4e38, 0.0), _row("buffer m", 1e-9, 1e-9, eager_off=1.0)])
+    assert [(row.blind, row.numerically_zero) for row in beside_a_mask] == [(False, False), (True, False)]
 
 
 def test_an_infinite_power_is_said_in_words() -> None:
@@ -166,3 +169,15 @@ def test_a_refused_zoo_cell_reads_refused_and_says_why() -> None:
     assert cell.outcome == "refused"
     assert cell.text.startswith("REFUSED: ") and "blind" in cell.text
     assert "certifies nothing" in cell.message
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_buffer_that_is_rounding_noise_around_zero_is_numerically_zero_not_blind(n: int) -> None:
+    """MobileNetV3's pattern: a BatchNorm after a bias-free 1x1 conv fed by another BatchNorm keeps a
+    running mean of ~1e-10 in float32 (float64: ~1e-18). Judged blind ("36295419732%") it refused every
+    train-mode check of the model; it is numerically zero, as a gradient that cancels is."""
+    report = pc.assert_equivalent(_odd_models.zero_mean_batchnorm, (_odd_models.images(),), n_microbatches=n,
+                                  split_spec={"pw": pc.SplitPoint.BEGINNING}, runner="reference")
+    assert report.ok and not report.blind
+    assert report.row("buffer bn2.running_mean").numerically_zero
+    assert not report.row("buffer bn2.running_var").numerically_zero

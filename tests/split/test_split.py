@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -283,9 +282,8 @@ def test_split_and_check_leave_the_users_model_and_inputs_alone(name: str, train
     pc.split(model, args, kwargs, split_spec=spec)
     pc.assert_equivalent(model, args, kwargs, runner="reference", split_spec=spec, n_microbatches=2,
                          loss_fn=entry.loss_fn, target=entry.target())
-    with contextlib.suppress(pc.PowerError):  # a bfloat16 row may not see an error of 10%: refused, matched
-        pc.assert_equivalent(model, args, kwargs, runner="reference", split_spec=spec, dtype=torch.bfloat16,
-                             loss_fn=entry.loss_fn, target=entry.target())
+    pc.assert_equivalent(model, args, kwargs, runner="reference", split_spec=spec, dtype=torch.bfloat16,
+                         loss_fn=entry.loss_fn, target=entry.target())
 
     _assert_same(before, _snapshot(model))
     assert "forward" not in model.__dict__  # forward was not replaced on the instance

@@ -1,0 +1,350 @@
+"""What a low-precision check's "auto" tolerance is anchored on, and each tensor's legitimate noise.
+
+    tolerance, notes = eager_anchor(model, inputs, job, eager, result, truth, seed, check_grads)
+    tolerance.noise_of("grad fc.weight")   # an EagerAnchored tolerance: Noise(largest=..., norm=...)
+    notes                                  # what the report says of it ("auto" and why, where it falls back)
+
+In bfloat16 and float16, eager is 2-40% off float64 on cancelling losses, norm weights and routers, so
+a tolerance that grows with that distance grows wider than the bugs. A correct runner is much closer
+to eager in eager's own dtype: its forward runs the same kernels on the same micro-batches, bit for
+bit, and its gradients differ only by the order their sums are taken in. So while the runner's
+outputs and loss are bit for bit eager's, each tensor is compared with eager, its tolerance measured
+from legitimate re-orderings of the same math (the variants):
+
+- eager's own per-micro-batch gradients, summed first to last, last to first, pairwise, and in
+  float32 (then rounded to the check's dtype);
+- pipecheck's reference runner as it is, with every sum taken in reverse (micro-batches, a skip
+  connection's consumers, a tied parameter's replicas), and accumulating in float32.
+
+A variant of the reference runner widens a tolerance only if it is sound: its forward bit for bit
+eager's, and, where it moves a tensor further than eager's own variants do, the same reference run
+in float64 within a sixteenth of the check's epsilon of the float64 truth (a bug of pipecheck's own
+that moved a gradient would otherwise widen the tolerance that should catch it). Where the runner's
+forward is not bit for bit eager's (an engine's own kernels, a fused op, a GPU kernel chosen by the
+micro-batch's shape), the check says so and falls back on the float64 anchor, refusals and all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from pipecheck._check.eager import microbatch_shares, named_tensors, output_name, result_dtype
+from pipecheck._check.numerics import (
+    EagerAnchored,
+    Noise,
+    ToleranceLike,
+    largest_by_kind,
+    numerically_zero,
+)
+from pipecheck._check.truth64 import Float64Ops
+from pipecheck._core.precision import PLAIN, Precision
+from pipecheck._core.result import StepResult
+from pipecheck._runners.job import Job
+from pipecheck._runtime.reference import Accumulation, DetachExecutor
+from pipecheck._split.inputs import Inputs, cast_inputs, cast_module
+from pipecheck._split.model_factory import seeded
+from pipecheck._split.pipe import Pipe
+from pipecheck.errors import first_line, plural
+from pipecheck.losses import projection_loss
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+GUARD = 1 / 16  # of the check's epsilon times a tensor's largest true value: a sound reference is this close
+
+
+def low_precision(eager: StepResult, precision: Precision = PLAIN) -> bool:
+    """Whether a check computes in bfloat16 or float16 (its outputs' dtype, or autocast's)."""
+    return precision.autocast is not None or result_dtype(eager) in LOW_PRECISION
+
+
+def _compute_dtype(eager: StepResult, precision: Precision) -> torch.dtype:
+    return precision.autocast or result_dtype(eager)
+
+
+def eager_anchor(model: nn.Module, inputs: Inputs, job: Job, eager: StepResult, result: StepResult,
+                 truth: StepResult, seed: int, check_grads: bool) -> tuple[ToleranceLike, list[str]]:
+    """Tolerance "auto" of a low-precision check whose runner gave ``result``: anchored on eager
+    (:class:`EagerAnchored`) or, where the runner's forward is not bit for bit eager's, on float64
+    ("auto"); and what the report says of it (see the module's docstring). ``model`` is the check's
+    own, as the eager step ran it (its buffers left as found); ``job`` holds the loss and target every
+    run used."""
+    precision = job.precision
+    dtype = _compute_dtype(eager, precision)
+    named = str(dtype).removeprefix("torch.") + (" under autocast" if precision.autocast is not None else "")
+    differs = forward_difference(result, eager)
+    loss_differs = not _same_bits(result.loss, eager.loss)
+    if not differs and loss_differs and (job.n_microbatches == 1 or not check_grads):
+        differs = "loss differs"  # one micro-batch's loss, or no per-micro-batch losses to tell its sum by
+    if differs:
+        return "auto", [f"the runner's forward is not bit for bit eager's ({differs}): this {named} check is "
+                        "anchored on float64, whose tolerance grows with eager's own error and may refuse tensors "
+                        "as blind (an engine's own kernels, a fused op, or a GPU kernel chosen by the "
+                        "micro-batch's shape give this)"]
+    notes: list[str] = []
+    zero = _numerically_zero(eager, truth)
+    if not check_grads:
+        return EagerAnchored({}, named, zero), notes
+    own: list[StepResult] = []
+    loss_noise = Noise()
+    if job.n_microbatches > 1:
+        with seeded(seed):
+            shares, losses = microbatch_shares(model, inputs.unspoiled(), job.loss_fn or projection_loss,
+                                               job.target, job.n_microbatches, precision)
+        own = [StepResult(None, None, grads) for grads in _share_sums(shares, precision.grad_accumulation)]
+        if loss_differs and isinstance(result.loss, torch.Tensor):
+            if not any(_same_bits(result.loss, total) for total in _loss_sums(losses)):
+                return "auto", [f"the runner's loss is not eager's bits, nor the micro-batches' losses summed any way "
+                                f"engines sum them: this {named} check is anchored on float64, whose tolerance grows "
+                                "with eager's own error and may refuse tensors as blind"]
+            loss_noise = _deviation(result.loss, eager.loss)  # a legitimate sum, told by its bits
+    noise = _noise(eager, own)
+    noise["loss"] = loss_noise
+    for accumulation, variant in _reference_variants(job, eager, notes):
+        found = _noise(eager, [variant])
+        wider = {name for name, deviation in found.items() if (noise.get(name, Noise()) | deviation) != noise.get(name)}
+        if wider:  # this re-ordering would widen them: only if pipecheck's own run of it is sound
+            bad, said = _unsound_in_float64(job, truth, accumulation, wider, torch.finfo(dtype).eps)
+            notes += [said] if said else []
+            found = {name: deviation for name, deviation in found.items() if name not in bad}
+        for name, deviation in found.items():
+            noise[name] = noise.get(name, Noise()) | deviation
+    return EagerAnchored(noise, named, zero), notes
+
+
+def _numerically_zero(eager: StepResult, truth: StepResult) -> frozenset[str]:
+    """The rows whose true value eager cannot resolve (:func:`pipecheck._check.numerics.numerically_zero`)."""
+    measured: dict[str, tuple[str, float, float | None]] = {}
+    truths = {name: value for name, _, value in _named(truth)}
+    for name, kind, value in _named(eager):
+        true = truths.get(name)
+        if not (isinstance(value, torch.Tensor) and isinstance(true, torch.Tensor) and value.is_floating_point()
+                and value.shape == true.shape and value.numel()):
+            continue
+        a, b = value.detach().double(), true.detach().double().to(value.device)
+        finite = torch.isfinite(a) & torch.isfinite(b)
+        scale, off = torch.stack([torch.where(finite, b.abs(), 0.0).max(),
+                                  torch.where(finite, (a - b).abs(), 0.0).max()]).tolist()
+        measured[name] = (kind, scale, off / scale if scale > 0 else None)
+    largest = largest_by_kind((kind, scale) for kind, scale, _ in measured.values())
+    return frozenset(name for name, (kind, scale, off) in measured.items()
+                     if numerically_zero(kind, scale, off, largest))
+
+
+def _named(result: StepResult) -> list[tuple[str, str, Any]]:
+    """Every compared value of a step by row name, with its kind."""
+    return ([(name, "outputs" if name != "loss" else "loss", value) for name, value in named_tensors(result)
+             if not name.startswith("grad ")]
+            + [(name, "grads", value) for name, value in named_tensors(result) if name.startswith("grad ")]
+            + [(f"buffer {fqn}", "buffers", value) for fqn, value in result.buffers.items()])
+
+
+def forward_difference(result: StepResult, eager: StepResult) -> str:
+    """How the runner's outputs differ from eager's bits ("" where they are the same). The loss is
+    their micro-batches' losses summed: an engine may sum them its own way (DeepSpeed adds them one
+    by one in bfloat16, then divides), which :func:`eager_anchor` tells by its bits."""
+    got = {output_name(path): leaf for path, leaf in pytree.tree_flatten_with_path(result.outputs)[0]}
+    pairs = [(output_name(path), got.get(output_name(path)), leaf)
+             for path, leaf in pytree.tree_flatten_with_path(eager.outputs)[0]]
+    for name, test, expected in pairs:
+        if not isinstance(expected, torch.Tensor):
+            continue
+        if not isinstance(test, torch.Tensor) or test.shape != expected.shape or test.dtype != expected.dtype:
+            return f"{name} is not a {tuple(expected.shape)} {expected.dtype} tensor"
+        test = test.to(expected.device)  # a World's runner hands back host tensors
+        same = (test == expected) | (test.isnan() & expected.isnan()) if test.is_floating_point() \
+            else test == expected
+        if not bool(same.all()):
+            n = int((~same).sum())
+            return f"{name} differs in {plural(n, 'element')} of {expected.numel()}"
+    return ""
+
+
+def _same_bits(test: Any, expected: Any) -> bool:
+    if not isinstance(expected, torch.Tensor):
+        return True
+    return isinstance(test, torch.Tensor) and not forward_difference(StepResult(test, None, {}),
+                                                                      StepResult(expected, None, {}))
+
+
+def _loss_sums(losses: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The step's loss from its micro-batches' own, as engines sum them: their mean (eager's), added one
+    by one (first to last, last to first) then divided, each divided then added, and in float32."""
+    n = len(losses)
+    return [torch.stack(losses).mean(), _in_order(losses) / n, _in_order(losses[::-1]) / n,
+            _in_order([loss / n for loss in losses]), (_in_order([loss.float() for loss in losses]) / n).to(losses[0])]
+
+
+def _share_sums(shares: list[dict[str, torch.Tensor]], accumulation: torch.dtype | None
+                ) -> list[dict[str, torch.Tensor]]:
+    """The micro-batches' own gradients summed first to last, last to first, pairwise, and in float32
+    (rounded back to their dtype); with an ``accumulation`` dtype, the first three in it alone."""
+    names = [name for name in shares[0] if all(name in share for share in shares)]
+
+    def summed(order: Callable[[list[torch.Tensor]], torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: order([share[name] if accumulation is None else share[name].to(accumulation)
+                             for share in shares]) for name in names}
+
+    sums = [summed(_in_order), summed(lambda ts: _in_order(ts[::-1])), summed(_pairwise)]
+    if accumulation is None:
+        sums.append(summed(lambda ts: _in_order([t.float() for t in ts]).to(ts[0].dtype)))
+    return sums
+
+
+def _in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        total = total + tensor
+    return total
+
+
+def _pairwise(tensors: list[torch.Tensor]) -> torch.Tensor:
+    while len(tensors) > 1:
+        tensors = [tensors[i] + tensors[i + 1] if i + 1 < len(tensors) else tensors[i]
+                   for i in range(0, len(tensors), 2)]
+    return tensors[0]
+
+
+def accumulations(precision: Precision) -> tuple[Accumulation, ...]:
+    """The reference's re-orderings: as it is, reversed, and accumulating in float32; with a
+    ``grad_accumulation`` dtype the first two, in it."""
+    if precision.grad_accumulation is not None:
+        return Accumulation(dtype=precision.grad_accumulation), Accumulation(True, precision.grad_accumulation)
+    return Accumulation(), Accumulation(reverse=True), Accumulation(dtype=torch.float32)
+
+
+def _reference_variants(job: Job, eager: StepResult, notes: list[str]) -> list[tuple[Accumulation, StepResult]]:
+    """The reference runner's step under each of :func:`accumulations`, and as it is on another number of
+    threads (on the CPU a kernel's reduction, a LayerNorm weight's gradient, is split by thread: ranks run
+    on fewer), gradients in eager's dtype. None when its forward is not bit for bit eager's, and not the
+    other thread count's where its forward is not (a note says so)."""
+    variants = []
+    threads = torch.get_num_threads()
+    runs = [(accumulation, threads) for accumulation in accumulations(job.precision)]
+    if eager.loss is not None and eager.loss.device.type == "cpu":
+        runs.append((runs[0][0], 1 if threads > 1 else 2))
+    for accumulation, count in runs:
+        with _threads(count):
+            step = DetachExecutor(job.split(), accumulation=accumulation, precision=job.precision).step(
+                job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target, n_microbatches=job.n_microbatches)
+        differs = forward_difference(step, eager)
+        if differs and count != threads:
+            notes.append(f"pipecheck's reference runner's forward on {plural(count, 'thread')} is not bit for bit "
+                         f"eager's on {threads} ({differs}): a runner on {count} needs the float64 anchor")
+            continue
+        if differs:
+            notes.append(f"pipecheck's reference runner's forward is not bit for bit eager's ({differs}): "
+                         "only eager's own re-orderings set the tolerances")
+            return []
+        like = {name: grad.to(eager.grads[name].dtype) for name, grad in step.grads.items() if name in eager.grads}
+        variants.append((accumulation, StepResult(None, None, like, step.input_grads, step.buffers)))
+    return variants
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` for the block."""
+    kept = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(kept)
+
+
+def _noise(eager: StepResult, variants: Iterable[StepResult]) -> dict[str, Noise]:
+    """Each gradient's, input gradient's and buffer's noise: the largest deviation of a variant from eager."""
+    noise: dict[str, Noise] = {}
+    for variant in variants:
+        for prefix, mine, theirs in (("grad ", eager.grads, variant.grads),
+                                     ("grad input ", eager.input_grads, variant.input_grads),
+                                     ("buffer ", eager.buffers, variant.buffers)):
+            for key, value in theirs.items():
+                expected = mine.get(key)
+                if isinstance(expected, torch.Tensor) and isinstance(value, torch.Tensor) \
+                        and value.shape == expected.shape and expected.is_floating_point():
+                    name = prefix + key
+                    noise[name] = noise.get(name, Noise()) | _deviation(value, expected)
+    return noise
+
+
+def _deviation(value: torch.Tensor, expected: torch.Tensor) -> Noise:
+    """How far ``value`` is from ``expected``: largest elementwise, and as a norm relative to its norm."""
+    a, b = value.detach().double(), expected.detach().double().to(value.device)
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    diff = torch.where(finite, a - b, 0.0)
+    if not diff.numel():
+        return Noise()
+    scale = torch.where(finite, b, 0.0).norm()
+    largest, norm, scale = torch.stack([diff.abs().max(), diff.norm(), scale]).tolist()
+    return Noise(largest, norm / scale if scale > 0 else 0.0)
+
+
+def _unsound_in_float64(job: Job, truth: StepResult, accumulation: Accumulation, names: set[str], eps: float
+                        ) -> tuple[set[str], str]:
+    """Of the rows ``names``, those where the reference runner, summing as ``accumulation`` says, run in
+    float64 is further than GUARD of ``eps`` times the tensor's largest true value from the float64
+    truth (plus 4 times how far the truth itself may be off), and the note to say of them. All of them
+    where the float64 run fails."""
+    pipe = _in_float64(job.split())
+    args, kwargs, target = cast_inputs((job.args, job.kwargs, job.target), torch.float64, None, copy=True)
+    mode = Float64Ops() if getattr(truth, "float32_ops", ()) or getattr(truth, "exact_ops", ()) else None
+    in_float64 = Accumulation(accumulation.reverse, None if accumulation.dtype is None else torch.float64)
+    try:
+        with mode if mode is not None else nullcontext():
+            run = DetachExecutor(pipe, accumulation=in_float64).step(args, kwargs, loss_fn=job.loss_fn, target=target,
+                                                                     n_microbatches=job.n_microbatches)
+    except Exception as err:
+        return set(names), (f"pipecheck's reference runner could not run in float64 to vouch for its re-orderings "
+                            f"({type(err).__name__}: {first_line(err)[:160]}): only eager's own set the "
+                            f"tolerances of {_names(names)}")
+    error: StepResult | None = getattr(truth, "error", None)
+    unsound = set()
+    for name in names:
+        ours, true, slack = _pick(run, name), _pick(truth, name), _pick(error, name) if error is not None else None
+        if not (isinstance(ours, torch.Tensor) and isinstance(true, torch.Tensor) and ours.shape == true.shape):
+            unsound.add(name)
+            continue
+        off = (ours.double() - true.double()).abs().nan_to_num(nan=float("inf"))
+        allowed = GUARD * eps * float(true.double().abs().nan_to_num(posinf=0.0, neginf=0.0).max())
+        if isinstance(slack, torch.Tensor):
+            off = (off - 4 * slack.double()).clamp_min(0.0)
+        if off.numel() and float(off.max()) > allowed:
+            unsound.add(name)
+    return unsound, (f"pipecheck's reference runner in float64 is off the float64 truth on {_names(unsound)}: its "
+                     "re-orderings do not widen their tolerances (a bug of pipecheck's own: please report it)"
+                     if unsound else "")
+
+
+def _in_float64(pipe: Pipe) -> Pipe:
+    """``pipe`` (a private copy) in float64: its parameters and buffers, and every floating dtype its
+    graphs name (a trace records the casts, checks and factory calls of the dtypes it ran in)."""
+
+    def widen(value: Any) -> Any:
+        return torch.float64 if isinstance(value, torch.dtype) and value.is_floating_point else value
+
+    for stage in pipe.stages:
+        cast_module(stage.module, torch.float64)
+        for module in stage.module.modules():
+            if isinstance(module, torch.fx.GraphModule):
+                for node in module.graph.nodes:
+                    node.args, node.kwargs = pytree.tree_map(widen, (node.args, node.kwargs))
+                module.recompile()
+    return pipe
+
+
+def _pick(result: StepResult, name: str) -> Any:
+    """A row's value in a step's result (a gradient, input gradient or buffer)."""
+    for prefix, values in (("grad input ", result.input_grads), ("grad ", result.grads), ("buffer ", result.buffers)):
+        if name.startswith(prefix):
+            return values.get(name.removeprefix(prefix))
+    return None
+
+
+def _names(names: Sequence[str] | set[str]) -> str:
+    ordered = sorted(names)
+    return ", ".join(ordered[:3]) + (f" and {len(ordered) - 3} more" if len(ordered) > 3 else "")
