@@ -146,3 +146,16 @@ def conv_batchnorm_cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
                          nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+
+class LayerNormStack(nn.Module):
+    """Four Linear-LayerNorm-GELU blocks and an empty buffer (a cache not filled yet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.GELU())
+                                      for _ in range(4)))
+        self.register_buffer("cache", torch.empty(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x) + self.cache.sum()

@@ -26,6 +26,8 @@ micro-batch's shape), the check says so and falls back on the float64 anchor, re
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -42,6 +44,7 @@ from pipecheck._check.numerics import (
     largest_by_kind,
     numerically_zero,
 )
+from pipecheck._check.train_eager import Summation, train_eager
 from pipecheck._check.truth64 import Float64Ops
 from pipecheck._core.precision import PLAIN, Precision
 from pipecheck._core.result import StepResult
@@ -77,7 +80,9 @@ def eager_anchor(model: nn.Module, inputs: Inputs, job: Job, eager: StepResult, 
     dtype = _compute_dtype(eager, precision)
     named = str(dtype).removeprefix("torch.") + (" under autocast" if precision.autocast is not None else "")
     differs = forward_difference(result, eager)
-    loss_differs = not _same_bits(result.loss, eager.loss)
+    loss = result.loss.to(eager.loss.dtype) if isinstance(result.loss, torch.Tensor) and isinstance(
+        eager.loss, torch.Tensor) and result.loss.is_floating_point() else result.loss  # a float32 report of it
+    loss_differs = not _same_bits(loss, eager.loss)
     if not differs and loss_differs and (job.n_microbatches == 1 or not check_grads):
         differs = "loss differs"  # one micro-batch's loss, or no per-micro-batch losses to tell its sum by
     if differs:
@@ -96,31 +101,40 @@ def eager_anchor(model: nn.Module, inputs: Inputs, job: Job, eager: StepResult, 
             shares, losses = microbatch_shares(model, inputs.unspoiled(), job.loss_fn or projection_loss,
                                                job.target, job.n_microbatches, precision)
         own = [StepResult(None, None, grads) for grads in _share_sums(shares, precision.grad_accumulation)]
-        if loss_differs and isinstance(result.loss, torch.Tensor):
-            if not any(_same_bits(result.loss, total) for total in _loss_sums(losses)):
+        if loss_differs and isinstance(loss, torch.Tensor):
+            if not any(_same_bits(loss, total) for total in _loss_sums(losses)):
                 return "auto", [f"the runner's loss is not eager's bits, nor the micro-batches' losses summed any way "
                                 f"engines sum them: this {named} check is anchored on float64, whose tolerance grows "
                                 "with eager's own error and may refuse tensors as blind"]
-            loss_noise = _deviation(result.loss, eager.loss)  # a legitimate sum, told by its bits
+            loss_noise = _deviation(loss, eager.loss) if eager.loss is not None else Noise()  # told by its bits
     noise = _noise(eager, own)
     noise["loss"] = loss_noise
-    for accumulation, variant in _reference_variants(job, eager, notes):
+    vouched: dict[Accumulation, tuple[set[str], set[str]]] = {}  # per re-ordering: rows found sound, unsound
+    for accumulation, variant in _reference_variants(job, eager, seed, notes):
         found = _noise(eager, [variant])
-        wider = {name for name, deviation in found.items() if (noise.get(name, Noise()) | deviation) != noise.get(name)}
+        sound, unsound = vouched.setdefault(accumulation, (set(), set()))
+        wider = {name for name, deviation in found.items() if (noise.get(name, Noise()) | deviation) != noise.get(name, Noise())
+                 and name not in sound | unsound}
         if wider:  # this re-ordering would widen them: only if pipecheck's own run of it is sound
-            bad, said = _unsound_in_float64(job, truth, accumulation, wider, torch.finfo(dtype).eps)
+            bad, said = _unsound_in_float64(job, eager, truth, accumulation, wider, dtype, seed)
             notes += [said] if said else []
-            found = {name: deviation for name, deviation in found.items() if name not in bad}
+            unsound |= bad
+            sound |= wider - bad
         for name, deviation in found.items():
-            noise[name] = noise.get(name, Noise()) | deviation
+            if name not in unsound:
+                noise[name] = noise.get(name, Noise()) | deviation
     return EagerAnchored(noise, named, zero), notes
 
 
 def _numerically_zero(eager: StepResult, truth: StepResult) -> frozenset[str]:
     """The rows whose true value eager cannot resolve (:func:`pipecheck._check.numerics.numerically_zero`)."""
+    return _zero_of(_named(eager), _named(truth))
+
+
+def _zero_of(eager: list[tuple[str, str, Any]], truth: list[tuple[str, str, Any]]) -> frozenset[str]:
     measured: dict[str, tuple[str, float, float | None]] = {}
-    truths = {name: value for name, _, value in _named(truth)}
-    for name, kind, value in _named(eager):
+    truths = {name: value for name, _, value in truth}
+    for name, kind, value in eager:
         true = truths.get(name)
         if not (isinstance(value, torch.Tensor) and isinstance(true, torch.Tensor) and value.is_floating_point()
                 and value.shape == true.shape and value.numel()):
@@ -183,11 +197,11 @@ def _share_sums(shares: list[dict[str, torch.Tensor]], accumulation: torch.dtype
                 ) -> list[dict[str, torch.Tensor]]:
     """The micro-batches' own gradients summed first to last, last to first, pairwise, and in float32
     (rounded back to their dtype); with an ``accumulation`` dtype, the first three in it alone."""
-    names = [name for name in shares[0] if all(name in share for share in shares)]
+    names = list(dict.fromkeys(name for share in shares for name in share))  # a micro-batch without one adds 0
 
     def summed(order: Callable[[list[torch.Tensor]], torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: order([share[name] if accumulation is None else share[name].to(accumulation)
-                             for share in shares]) for name in names}
+                             for share in shares if name in share]) for name in names}
 
     sums = [summed(_in_order), summed(lambda ts: _in_order(ts[::-1])), summed(_pairwise)]
     if accumulation is None:
@@ -210,39 +224,39 @@ def _pairwise(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def accumulations(precision: Precision) -> tuple[Accumulation, ...]:
-    """The reference's re-orderings: as it is, reversed, and accumulating in float32; with a
-    ``grad_accumulation`` dtype the first two, in it."""
+    """The reference's re-orderings: as it is, reversed, accumulating in float32, and dividing by the
+    micro-batch count after summing (torch's pipelining); with a ``grad_accumulation`` dtype, all in it."""
     if precision.grad_accumulation is not None:
-        return Accumulation(dtype=precision.grad_accumulation), Accumulation(True, precision.grad_accumulation)
-    return Accumulation(), Accumulation(reverse=True), Accumulation(dtype=torch.float32)
+        return (Accumulation(dtype=precision.grad_accumulation), Accumulation(True, precision.grad_accumulation),
+                Accumulation(dtype=precision.grad_accumulation, scale_after=True))
+    return (Accumulation(), Accumulation(reverse=True), Accumulation(dtype=torch.float32),
+            Accumulation(scale_after=True))
 
 
-def _reference_variants(job: Job, eager: StepResult, notes: list[str]) -> list[tuple[Accumulation, StepResult]]:
+def _reference_variants(job: Job, eager: StepResult, seed: int, notes: list[str]
+                        ) -> Iterator[tuple[Accumulation, StepResult]]:
     """The reference runner's step under each of :func:`accumulations`, and as it is on another number of
     threads (on the CPU a kernel's reduction, a LayerNorm weight's gradient, is split by thread: ranks run
     on fewer), gradients in eager's dtype. None when its forward is not bit for bit eager's, and not the
-    other thread count's where its forward is not (a note says so)."""
-    variants = []
+    other thread count's where its forward is not (a note says so). Each on its own copy of the inputs
+    (a forward may write into them), seeded as eager was."""
     threads = torch.get_num_threads()
     runs = [(accumulation, threads) for accumulation in accumulations(job.precision)]
     if eager.loss is not None and eager.loss.device.type == "cpu":
         runs.append((runs[0][0], 1 if threads > 1 else 2))
     for accumulation, count in runs:
-        with _threads(count):
+        args, kwargs, target = cast_inputs((job.args, job.kwargs, job.target), None, None, copy=True)
+        with _threads(count), seeded(seed):
             step = DetachExecutor(job.split(), accumulation=accumulation, precision=job.precision).step(
-                job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target, n_microbatches=job.n_microbatches)
+                args, kwargs, loss_fn=job.loss_fn, target=target, n_microbatches=job.n_microbatches)
         differs = forward_difference(step, eager)
-        if differs and count != threads:
-            notes.append(f"pipecheck's reference runner's forward on {plural(count, 'thread')} is not bit for bit "
-                         f"eager's on {threads} ({differs}): a runner on {count} needs the float64 anchor")
-            continue
         if differs:
-            notes.append(f"pipecheck's reference runner's forward is not bit for bit eager's ({differs}): "
-                         "only eager's own re-orderings set the tolerances")
-            return []
+            on = f" on {plural(count, 'thread')}" if count != threads else ""
+            notes.append(f"pipecheck's reference runner's forward{on} is not bit for bit eager's ({differs}): its "
+                         "re-orderings there do not set the tolerances")
+            continue
         like = {name: grad.to(eager.grads[name].dtype) for name, grad in step.grads.items() if name in eager.grads}
-        variants.append((accumulation, StepResult(None, None, like, step.input_grads, step.buffers)))
-    return variants
+        yield accumulation, StepResult(None, None, like, step.input_grads, step.buffers)
 
 
 @contextmanager
@@ -284,18 +298,18 @@ def _deviation(value: torch.Tensor, expected: torch.Tensor) -> Noise:
     return Noise(largest, norm / scale if scale > 0 else 0.0)
 
 
-def _unsound_in_float64(job: Job, truth: StepResult, accumulation: Accumulation, names: set[str], eps: float
-                        ) -> tuple[set[str], str]:
+def _unsound_in_float64(job: Job, eager: StepResult, truth: StepResult, accumulation: Accumulation,
+                        names: set[str], dtype: torch.dtype, seed: int) -> tuple[set[str], str]:
     """Of the rows ``names``, those where the reference runner, summing as ``accumulation`` says, run in
-    float64 is further than GUARD of ``eps`` times the tensor's largest true value from the float64
-    truth (plus 4 times how far the truth itself may be off), and the note to say of them. All of them
-    where the float64 run fails."""
+    float64 is further than GUARD of the row's epsilon (its eager value's dtype's, at most ``dtype``'s)
+    times the tensor's largest true value from the float64 truth (plus 4 times how far the truth itself
+    may be off), and the note to say of them. All of them where the float64 run fails."""
     pipe = _in_float64(job.split())
     args, kwargs, target = cast_inputs((job.args, job.kwargs, job.target), torch.float64, None, copy=True)
     mode = Float64Ops() if getattr(truth, "float32_ops", ()) or getattr(truth, "exact_ops", ()) else None
-    in_float64 = Accumulation(accumulation.reverse, None if accumulation.dtype is None else torch.float64)
+    in_float64 = dataclasses.replace(accumulation, dtype=None if accumulation.dtype is None else torch.float64)
     try:
-        with mode if mode is not None else nullcontext():
+        with mode if mode is not None else nullcontext(), seeded(seed):
             run = DetachExecutor(pipe, accumulation=in_float64).step(args, kwargs, loss_fn=job.loss_fn, target=target,
                                                                      n_microbatches=job.n_microbatches)
     except Exception as err:
@@ -309,6 +323,11 @@ def _unsound_in_float64(job: Job, truth: StepResult, accumulation: Accumulation,
         if not (isinstance(ours, torch.Tensor) and isinstance(true, torch.Tensor) and ours.shape == true.shape):
             unsound.add(name)
             continue
+        if not true.numel():
+            continue
+        mine = _pick(eager, name)
+        eps = min(torch.finfo(dtype).eps, torch.finfo(mine.dtype).eps) if isinstance(mine, torch.Tensor) \
+            and mine.is_floating_point() else torch.finfo(dtype).eps
         off = (ours.double() - true.double()).abs().nan_to_num(nan=float("inf"))
         allowed = GUARD * eps * float(true.double().abs().nan_to_num(posinf=0.0, neginf=0.0).max())
         if isinstance(slack, torch.Tensor):
@@ -348,3 +367,61 @@ def _pick(result: StepResult, name: str) -> Any:
 def _names(names: Sequence[str] | set[str]) -> str:
     ordered = sorted(names)
     return ", ".join(ordered[:3]) + (f" and {len(ordered) - 3} more" if len(ordered) > 3 else "")
+
+
+SUMMATIONS: tuple[Summation, ...] = (
+    _in_order, lambda ts: _in_order(ts[::-1]), _pairwise, lambda ts: _in_order([t.float() for t in ts]).to(ts[0].dtype))
+"""A training's micro-batch gradients summed first to last, last to first, pairwise, and in float32."""
+
+
+def training_anchor(model: nn.Module, batches: list[Inputs], job: Job, eager: list[StepResult],
+                    truth: list[StepResult], results: list[StepResult], targets: list[Any], seed: int
+                    ) -> tuple[ToleranceLike, list[str]]:
+    """Tolerance "auto" of a low-precision training check (see :func:`eager_anchor`): anchored on eager
+    while the runner's first step's outputs are eager's bits. After the first optimizer step a correct
+    engine's parameters are no longer eager's bits, and every later value re-rolls its rounding from
+    there: each value's noise, step by step, is how far eager trained again with its micro-batch
+    gradients summed in another order (SUMMATIONS) moves it, the optimizer's amplification included."""
+    dtype = result_dtype(eager[0])
+    named = str(dtype).removeprefix("torch.")
+    differs = forward_difference(results[0], eager[0]) if results else ""
+    if differs:
+        return "auto", [f"the runner's first step's forward is not bit for bit eager's ({differs}): this {named} "
+                        "training check is anchored on float64, whose tolerance grows with eager's own error and may "
+                        "refuse tensors as blind"]
+    g = job.training.accumulation_steps
+    noise: dict[str, Noise] = {}
+    for summation in SUMMATIONS:
+        with seeded(seed):
+            variant, _ = train_eager(copy.deepcopy(model), batches, job.training, job.loss_fn or projection_loss,
+                                     job.n_microbatches, targets=targets, summation=summation)
+        for t, (mine, theirs) in enumerate(zip(eager, variant)):
+            values = dict((name, value) for name, _, value in step_values(theirs, _prefix(t, eager), g))
+            for name, _, value in step_values(mine, _prefix(t, eager), g):
+                other = values.get(name)
+                if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and value.is_floating_point() \
+                        and other.shape == value.shape:
+                    noise[name] = noise.get(name, Noise()) | _deviation(other, value)
+    zero = frozenset().union(*(_zero_of(step_values(e, _prefix(t, eager), g), step_values(r, _prefix(t, eager), g))
+                               for t, (e, r) in enumerate(zip(eager, truth))))
+    return EagerAnchored(noise, named, zero), []
+
+
+def _prefix(t: int, steps: list[StepResult]) -> str:
+    return f"step {t}: " if len(steps) > 1 else ""
+
+
+def step_values(result: StepResult, prefix: str, g: int) -> list[tuple[str, str, Any]]:
+    """One optimizer step's values by their rows' names (pipecheck._check.training names them so), with
+    their kinds: outputs (one per schedule step when accumulating), loss, gradients, parameters, buffers."""
+    values: list[tuple[str, str, Any]] = []
+    outputs = [result.outputs] if g == 1 else list(result.outputs) if isinstance(result.outputs, (tuple, list)) else []
+    for a, leaves in enumerate(outputs):
+        suffix = f" (schedule step {a} of {g})" if g > 1 else ""
+        values += [(prefix + output_name(path) + suffix, "outputs", leaf)
+                   for path, leaf in pytree.tree_flatten_with_path(leaves)[0]]
+    values.append((prefix + "loss", "loss", result.loss))
+    values += [(f"{prefix}grad {fqn}", "grads", value) for fqn, value in result.grads.items()]
+    values += [(f"{prefix}param {fqn}", "params", value) for fqn, value in result.params.items()]
+    values += [(f"{prefix}buffer {fqn}", "buffers", value) for fqn, value in result.buffers.items()]
+    return values

@@ -146,7 +146,8 @@ def _diagnose_buffers(job: Job, result: StepResult, failing: list[str], hints: d
     n = job.n_microbatches
     inputs = split_microbatches((job.args, job.kwargs), n)
     targets = split_microbatches(job.target, n, "target") if job.target is not None else [None] * n
-    alone = [DetachExecutor(job.split()).step(args, kwargs, loss_fn=job.loss_fn, target=target).buffers
+    alone = [DetachExecutor(job.split(), precision=job.precision).step(args, kwargs, loss_fn=job.loss_fn,
+                                                                       target=target).buffers
              for (args, kwargs), target in zip(inputs, targets)]
     for fqn in failing:
         found = [mb for mb, buffers in enumerate(alone) if fqn in buffers and matches(result.buffers[fqn], buffers[fqn])]
@@ -244,7 +245,8 @@ def _diagnose_dropped_skips(pipe: Pipe, job: Job, result: StepResult, rows: list
                and isinstance(result.grads.get(row.name.removeprefix("grad ")), torch.Tensor)}
     skips = sorted({(e.src, e.name, e.dst) for e in pipe.edges if e.src is not None and e.dst - e.src > 1})
     for producer, name, consumer in skips if failing else ():
-        what_if = DetachExecutor(job.split(), drop_gradients=[(producer, name, consumer)]).step(
+        what_if = DetachExecutor(job.split(), drop_gradients=[(producer, name, consumer)],
+                                 precision=job.precision).step(
             job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target, n_microbatches=job.n_microbatches)
         if all(fqn in what_if.grads and matches(test, what_if.grads[fqn]) for fqn, test in failing.items()):
             for fqn in failing:
@@ -276,6 +278,6 @@ def _diagnose_microbatch_weights(job: Job, result: StepResult, rows: list[Row], 
 
 def stage_shares(job: Job) -> list[dict[str, torch.Tensor]]:
     """Each stage's own share of every parameter gradient, from the reference runner."""
-    result = DetachExecutor(job.split()).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
-                                              n_microbatches=job.n_microbatches)
+    result = DetachExecutor(job.split(), precision=job.precision).step(
+        job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target, n_microbatches=job.n_microbatches)
     return result.stage_grads

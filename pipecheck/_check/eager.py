@@ -58,7 +58,7 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
              for chunk in split_microbatches(dict(bound.arguments), n_microbatches)]  # errors name the input
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if precision.grad_accumulation is not None and check_grads:
-        if loss_fn is None:  # the projection's weights come from the outputs: one plain forward first
+        if loss_fn is None:  # the projection's weights come from the outputs' shapes: one plain forward first
             with torch.no_grad(), buffers_kept(model), precision.forward(device):
                 outputs = [_call(model, call, n_microbatches, whole=bound) for call in calls]
             loss_fn, target = projection_loss, projection_target(merge_microbatches(_detached(outputs)))
@@ -66,14 +66,19 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
         backward_each = True
     if backward_each and loss_fn is not None and check_grads:
         return _step_each(model, bound, calls, MicrobatchLoss(loss_fn, target, n_microbatches), precision), target
-    with precision.forward(device):
-        outputs = [_call(model, call, n_microbatches, whole=bound) for call in calls]
+    outputs = []
+    for call in calls:  # autocast entered per micro-batch, as engines do: each casts the weights anew
+        with precision.forward(device):
+            outputs.append(_call(model, call, n_microbatches, whole=bound))
     merged = merge_microbatches(_detached(outputs))
     if loss_fn is None:
         loss_fn, target = projection_loss, projection_target(merged)
     loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
-    with precision.forward(device):
-        loss = torch.stack([loss_of(mb, out) for mb, out in enumerate(outputs)]).mean()
+    losses = []
+    for mb, out in enumerate(outputs):
+        with precision.forward(device):
+            losses.append(loss_of(mb, out))
+    loss = torch.stack(losses).mean()
     grads: dict[str, torch.Tensor] = {}
     input_grads: dict[str, torch.Tensor] = {}
     if check_grads:

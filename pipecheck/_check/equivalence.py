@@ -60,6 +60,7 @@ from pipecheck.errors import (
     PowerError,
     RankFailedError,
     TraceError,
+    first_line,
     plural,
 )
 from pipecheck.losses import LossFn, projection_loss
@@ -221,8 +222,15 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     anchor_notes: list[str] = []
     if tolerance == "auto" and low_precision(eager, precision):  # float64 is too far from eager to anchor on
         with clock("anchor_s"):
-            anchored, anchor_notes = eager_anchor(built, inputs, dataclasses.replace(job, **_fresh(inputs)), eager,
-                                                  result, ref64, seed, check_grads)
+            try:
+                anchored, anchor_notes = eager_anchor(built, inputs, dataclasses.replace(job, **_fresh(inputs)),
+                                                      eager, result, ref64, seed, check_grads)
+            except PipecheckError:
+                raise
+            except Exception as err:  # measuring the noise failed (out of memory): the float64 anchor, said so
+                anchored, anchor_notes = tolerance, [
+                    f"the legitimate noise of this low-precision check could not be measured ({type(err).__name__}: "
+                    f"{first_line(err)[:160]}): it is anchored on float64"]
     del built
     clean = inputs.unspoiled()  # hints re-run the reference: never on inputs the runner wrote into
     job = dataclasses.replace(job, args=clean.args, kwargs=clean.kwargs)

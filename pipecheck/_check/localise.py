@@ -54,7 +54,7 @@ class ReferenceByMicrobatch:
             job, truth = self.job, Boundaries()
             # the check's own split, its buffers put back after (a run changes only buffers): no copy to make
             with job.structure().buffers_restored() as pipe, recording(pipe, truth):
-                shares = DetachExecutor(pipe).microbatch_grads(job.args, job.kwargs, loss_fn=job.loss_fn,
+                shares = DetachExecutor(pipe, precision=job.precision).microbatch_grads(job.args, job.kwargs, loss_fn=job.loss_fn,
                                                                target=job.target, n_microbatches=job.n_microbatches)
             self._made = shares, truth
         return self._made

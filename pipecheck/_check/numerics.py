@@ -81,8 +81,8 @@ class EagerAnchored:
 
     def noise_of(self, name: str) -> Noise | None:
         """A row's noise (None: anchored on float64); a tied replica's row (``grad w (replica in stage
-        2)``) has its gradient's."""
-        name = name.split(" (replica in stage ", 1)[0]
+        2)``) and a data-parallel copy's (``grad w (dp rank 1, stage 0)``) have their gradient's."""
+        name = name.split(" (replica in stage ", 1)[0].split(" (dp rank ", 1)[0]
         return None if name in self.zero else self.noise.get(name, Noise())
 
     def __str__(self) -> str:
@@ -182,7 +182,8 @@ def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLi
     noise = tolerance.noise_of(name) if isinstance(tolerance, EagerAnchored) else None
     plain = "auto" if isinstance(tolerance, EagerAnchored) else tolerance
     row = _compare(name, test, eager, ref64, plain, stages, microbatches, truth_error, noise)
-    return dataclasses.replace(row, kind=kind or row.kind)
+    held = isinstance(tolerance, EagerAnchored) and noise is None  # numerically zero: held to the float64 truth
+    return dataclasses.replace(row, kind=kind or row.kind, numerically_zero=held)
 
 
 def _compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLike,
@@ -263,6 +264,8 @@ def _against_eager(name: str, stages: tuple[int, ...], shape: tuple[int, ...], t
     info = torch.finfo(dtype) if dtype.is_floating_point else None  # an integer tensor: exact
     eps, subnormal = (info.eps, info.eps * info.tiny) if info is not None else (0.0, 0.0)
     diff = _Diff(test64, eager64)
+    if not eager64.numel():  # nothing to compare, nothing to fail
+        return _row(name, stages, shape, diff, diff.failing(0.0, 0.0), lambda _: "eager", None, microbatches)
     scale = _scale(eager64)
     atol = 2 * noise.largest + eps * scale + SUBNORMAL_ULPS * subnormal
     rtol = 2 * eps
@@ -335,15 +338,16 @@ def power_of(scale: float, atol: float, rtol: float) -> float:
 
 
 def judge_power(rows: list[Row]) -> list[Row]:
-    """``rows`` with ``blind`` and ``numerically_zero`` (:func:`numerically_zero`) set. A row is blind
-    when it is not numerically zero and its power is above POWER_LIMIT."""
+    """``rows`` with ``blind`` and ``numerically_zero`` (:func:`numerically_zero`, or as the comparison
+    found it: an eager-anchored check's rows held to float64) set. A row is blind when it is not
+    numerically zero and its power is above POWER_LIMIT."""
     largest = largest_by_kind((row.kind, row.scale) for row in rows)
     judged = []
     for row in rows:
         if row.power is None or not row.numel:
             judged.append(row)
             continue
-        zero = numerically_zero(row.kind, row.scale, row.eager_off, largest)
+        zero = row.numerically_zero or numerically_zero(row.kind, row.scale, row.eager_off, largest)
         judged.append(dataclasses.replace(row, numerically_zero=zero,
                                           blind=row.power > POWER_LIMIT and not zero))
     return judged

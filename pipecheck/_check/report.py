@@ -62,6 +62,8 @@ def percent_up(fraction: float) -> str:
         return "0%"
     exponent = math.floor(math.log10(value))
     digit = math.ceil(value / 10.0 ** exponent - 1e-9)
+    if digit == 10:  # 0.95% rounds up to 1%, not "1.0%"
+        digit, exponent = 1, exponent + 1
     return f"{digit * 10.0 ** exponent:.{max(0, -exponent)}f}%"
 
 

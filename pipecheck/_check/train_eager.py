@@ -42,18 +42,25 @@ def prepared_batches(model: nn.Module, batches: Sequence[Batch], dtype: torch.dt
             for batch in batches]
 
 
+Summation = Callable[[list[torch.Tensor]], torch.Tensor]
+"""How an optimizer step's micro-batch gradients (or weighted losses) add up, e.g. last first."""
+
+
 def train_eager(model: nn.Module, batches: list[Inputs], training: Training, loss_fn: LossFn | None,
                 n_microbatches: int, targets: list[Any] | None = None,
-                perturb: Callable[[int, str, torch.Tensor], torch.Tensor] | None = None
-                ) -> tuple[list[StepResult], list[Any]]:
+                perturb: Callable[[int, str, torch.Tensor], torch.Tensor] | None = None,
+                summation: Summation | None = None) -> tuple[list[StepResult], list[Any]]:
     """``training.steps`` optimizer steps of ``model`` itself (trained in place: pass a copy).
 
     ``n_microbatches`` per data-parallel replica: each batch is cut into ``training.data_parallel``
     shards, each shard into its micro-batches, as the runners cut it (replica r's j-th micro-batch is
     the (r * n + j)-th). ``targets``: each batch's target (the fp32 run's, cast); None: the batches' own,
     the projection's weights where there is no ``loss_fn``. ``perturb(step, name, grad)``: added to each
-    gradient the optimizer gets (not to the one reported). Returns one result per optimizer step and
-    the targets used."""
+    gradient the optimizer gets (not to the one reported). ``summation``: each micro-batch's backward runs
+    on its own, and each parameter's gradients over the optimizer step's micro-batches (across schedule
+    steps and replicas), and each schedule step's weighted micro-batch losses, add up as it says (a
+    legitimate re-ordering of the same training). Returns one result per optimizer step and the targets
+    used."""
     follow(model, training.dropout)  # a private copy: its dropout draws by pipecheck's contract
     seed = training.random_seed
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -65,6 +72,7 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
     for t in range(training.steps):
         group = range(t * g, (t + 1) * g)
         sums: list[torch.Tensor | None] = [None] * len(params)
+        each: list[list[torch.Tensor]] = [[] for _ in params]  # with a summation: every micro-batch's gradient
         outputs, losses = [], []
         forwards = {}
         uneven = training.loss_reduction != "mean"
@@ -83,11 +91,12 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
             losses_of = [MicrobatchLoss(loss_fn or projection_loss, shard, n_microbatches, reduction)
                          for shard in shard_batch(used[i], d, uneven, "target")]
             mb_losses = [losses_of[mb // n_microbatches](mb % n_microbatches, out) for mb, out in enumerate(mb_outputs)]
-            total = torch.stack(mb_losses).sum() * reduction.weight
+            total = torch.stack(mb_losses).sum() * reduction.weight if summation is None \
+                else summation([loss * reduction.weight for loss in mb_losses])
             # With dropout drawn by pipecheck's contract, each micro-batch's backward runs as its own (a
             # recompute of activation checkpointing then draws the forward's masks); else one backward.
-            backwards = [(mb, loss * reduction.weight) for mb, loss in enumerate(mb_losses)] if seed is not None \
-                else [(0, total)]
+            backwards = [(mb, loss * reduction.weight) for mb, loss in enumerate(mb_losses)] \
+                if seed is not None or summation is not None else [(0, total)]
             for mb, loss in backwards:
                 if not (params and loss.requires_grad):
                     continue
@@ -95,11 +104,15 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
                     got = _gradients(model, loss, [p for _, p in params])
                 for k, grad in enumerate(got):
                     total_k = sums[k]
-                    if grad is not None:
+                    if grad is not None and summation is not None:
+                        each[k].append(grad)
+                    elif grad is not None:
                         sums[k] = grad if total_k is None else total_k + grad
             outputs.append(merge_microbatches(_detached(mb_outputs)))
             losses.append(total.detach())
             del mb_outputs, mb_losses, total, backwards
+        if summation is not None:
+            sums = [summation(grads) if grads else None for grads in each]
         grads = {name: grad for (name, _), grad in zip(params, sums) if grad is not None}
         if optimizer is not None:
             for (name, param), grad in zip(params, sums):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from pipecheck._check.anchor import low_precision, training_anchor
 from pipecheck._check.diagnose import diagnose_grad, matches
 from pipecheck._check.eager import check_deterministic, check_finite, output_name
 from pipecheck._check.numerics import Row, ToleranceLike, compare, judge_power
@@ -124,17 +125,22 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
                               batches=training_batches(batches, targets))
     with clock("runner_s"):
         results = runner_steps(train, runner_name, job)
+    anchored: ToleranceLike = tolerance
+    notes: list[str] = []
+    if tolerance == "auto" and eager and low_precision(eager[0]):  # float64 is too far from eager to anchor on
+        with clock("anchor_s"):
+            anchored, notes = training_anchor(built, batches, job, eager, truth, results, targets, seed)
     with clock("compare_s"):
-        rows, hints, located = compare_steps(pipe, job, results, eager, truth, tolerance, check_grads, drift)
+        rows, hints, located = compare_steps(pipe, job, results, eager, truth, anchored, check_grads, drift)
     out_dtype = next((leaf.dtype for leaf in pytree.tree_leaves(eager[0].outputs)
                   if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()), torch.float32)
-    notes = [note for result in results[:1] for note in result.notes]
+    notes += [note for result in results[:1] for note in result.notes]
     if job.training.data_parallel > 1 and eager[0].buffers:
         notes.append("buffers were not compared: each data-parallel replica updates its own from its shard")
     if job.training.data_parallel > 1 and not any(result.dp_params or result.dp_grads for result in results):
         notes.append(f"the runner reported no copy of data-parallel replicas 1 to {job.training.data_parallel - 1} "
                      "(StepResult.dp_grads, dp_params): only replica 0's gradients and parameters were compared")
-    report = Report(runner_name, rows, hints, tolerance if isinstance(tolerance, str) else str(tolerance),
+    report = Report(runner_name, rows, hints, str(anchored),
                     str(out_dtype).replace("torch.", ""), job.n_microbatches, pipe.num_stages, {}, notes, pipe.tracer,
                     training=job.training.describe())
     report.located = located

@@ -57,10 +57,14 @@ class Accumulation:
     ``reverse``: the micro-batches' backwards run last first (each parameter's gradient summed in that
     order), a value read by several later stages sums its consumers' gradients first stage first, and a
     tied parameter sums its replicas last stage first. ``dtype``: parameter gradients are accumulated
-    over the micro-batches in that dtype, and returned in it."""
+    over the micro-batches in that dtype, and returned in it. ``scale_after``: each micro-batch's
+    backward starts from its loss unscaled, and the summed gradients are divided by the micro-batch
+    count at the end (torch.distributed.pipelining's ``scale_grads``; not the same rounding where the
+    count is not a power of 2)."""
 
     reverse: bool = False
     dtype: torch.dtype | None = None
+    scale_after: bool = False
 
 
 class DetachExecutor:
@@ -145,14 +149,22 @@ class DetachExecutor:
         input_grads: dict[InputGradKey, LeafGrads] = {}
         owned: list[set[str]] = [set() for _ in self.pipe.stages]
         order = range(len(forwards) - 1, -1, -1) if self.accumulation.reverse else range(len(forwards))
+        after = self.accumulation.scale_after
         for mb in order:
             with microbatch(mb):  # a recompute draws what the forward drew
-                self.backward_microbatch(mb, forwards[mb], losses[mb], scale, param_grads, owned, input_grads)
+                self.backward_microbatch(mb, forwards[mb], losses[mb], 1.0 if after else scale, param_grads, owned,
+                                         input_grads)
+        grads = sum_stage_grads(param_grads[::-1] if self.accumulation.reverse else param_grads)
+        merged_input_grads = merge_input_grads(input_grads, n_microbatches, replicated_names(bound),
+                                               self.accumulation.reverse)
+        if after:
+            grads, merged_input_grads = ({name: _rescaled(g, reduction, n_microbatches) for name, g in values.items()}
+                                         for values in (grads, merged_input_grads))
         return StepResult(
             outputs=merged,
             loss=weighted_loss([loss.detach() for loss in losses], reduction),
-            grads=sum_stage_grads(param_grads[::-1] if self.accumulation.reverse else param_grads),
-            input_grads=merge_input_grads(input_grads, n_microbatches, replicated_names(bound)),
+            grads=grads,
+            input_grads=merged_input_grads,
             buffers=self.pipe.buffers_after_step(),
             timings={"step_s": time.perf_counter() - started},
             stage_grads=param_grads,
@@ -185,6 +197,11 @@ def weighted_loss(losses: Sequence[torch.Tensor], reduction: Reduction | None) -
     if reduction is None:
         return torch.stack(list(losses)).mean()
     return torch.stack(list(losses)).sum() * reduction.weight
+
+
+def _rescaled(grad: torch.Tensor, reduction: Reduction | None, n_microbatches: int) -> torch.Tensor:
+    """A gradient summed over unscaled micro-batch losses, scaled at the end as the step's loss is."""
+    return grad / n_microbatches if reduction is None else grad * reduction.weight
 
 
 def _detached(value: Any) -> Any:

@@ -236,14 +236,14 @@ def add_param_grads(total: dict[str, torch.Tensor], more: dict[str, torch.Tensor
 
 
 def merge_input_grads(per_key: Mapping[InputGradKey, LeafGrads], n_microbatches: int,
-                      replicated: Collection[str] = ()) -> dict[str, torch.Tensor]:
+                      replicated: Collection[str] = (), reverse: bool = False) -> dict[str, torch.Tensor]:
     """Gradients of the model's inputs: per micro-batch summed over the consuming stages, last
     stage first (as backward reaches them), then merged in micro-batch order (summed, for a
-    ``replicated`` input every micro-batch got whole). Inputs that are not one tensor, or miss a
-    micro-batch's gradient, are left out."""
+    ``replicated`` input every micro-batch got whole); ``reverse``: both sums the other way round.
+    Inputs that are not one tensor, or miss a micro-batch's gradient, are left out."""
     merged: dict[str, torch.Tensor] = {}
     for name in sorted({name for _, name, _ in per_key}):
-        stages = sorted({s for s, other, _ in per_key if other == name}, reverse=True)
+        stages = sorted({s for s, other, _ in per_key if other == name}, reverse=not reverse)
         chunks = []
         for mb in range(n_microbatches):
             total: LeafGrads | None = None
@@ -252,7 +252,8 @@ def merge_input_grads(per_key: Mapping[InputGradKey, LeafGrads], n_microbatches:
                     total = add_leaf_grads(total, per_key[(s, name, mb)])
             chunks.append(total[0] if total and len(total) == 1 else None)
         if all(chunk is not None for chunk in chunks):
-            merged[name] = _sum(chunks) if name in replicated else merge_microbatches(chunks)
+            merged[name] = _sum(chunks[::-1] if reverse else chunks) if name in replicated \
+                else merge_microbatches(chunks)
     return merged
 
 

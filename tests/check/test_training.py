@@ -376,3 +376,29 @@ def test_float64_training_leaves_a_correct_engine_its_own_rounding(cut: str) -> 
                              runner=Trainer("rescaled_each_step"), **settings, accumulation_steps=2)
     assert caught.value.report.located.startswith("first divergence: optimizer step 0 of 3")
 
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+@pytest.mark.parametrize("runner", ["reference", Trainer()], ids=["reference", "users-engine"])
+def test_a_bfloat16_training_check_is_anchored_on_eager_and_certifies_a_correct_engine(runner, data_parallel) -> None:  # type: ignore[no-untyped-def]
+    """After the first optimizer step a correct engine's parameters are no longer eager's bits: each value's
+    noise, step by step, is how far eager trained again with its micro-batch gradients summed in another
+    order moves it (AdamW, clipping and accumulation as LOOP has them)."""
+    report = _check(runner, dtype=torch.bfloat16, data_parallel=data_parallel)
+    assert report.ok and not report.blind and report.tolerance == "auto, anchored on eager bfloat16"
+    assert report.norm_power is not None and report.norm_power < 0.1
+
+
+@pytest.mark.parametrize("bug, first", [
+    ("grads_not_zeroed", "step 1: grad"),
+    ("replica_not_stepped", "step 0: param emb.weight (replica in stage 1)"),
+    ("mean_of_means", "step 0: grad"),
+    ("dp_replica_not_reduced-dp", "step 0: grad emb.weight (dp rank 1, stage 0)"),
+    ("trains_frozen-frozen", "step 0: param l1.weight"),
+])
+def test_planted_training_bugs_are_caught_in_bfloat16(bug, first) -> None:  # type: ignore[no-untyped-def]
+    bug, _, variant = bug.partition("-")
+    with pytest.raises(pc.EquivalenceError) as caught:
+        _check(Trainer(bug), dtype=torch.bfloat16, data_parallel=2 if variant == "dp" else 1,
+               **({"model": make_frozen_lm} if variant == "frozen" else {}))
+    assert any(row.name.startswith(first) for row in caught.value.report.failures)
