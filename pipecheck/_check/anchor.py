@@ -113,8 +113,8 @@ def eager_anchor(model: nn.Module, inputs: Inputs, job: Job, eager: StepResult, 
     for accumulation, variant in _reference_variants(job, eager, seed, notes):
         found = _noise(eager, [variant])
         sound, unsound = vouched.setdefault(accumulation, (set(), set()))
-        wider = {name for name, deviation in found.items() if (noise.get(name, Noise()) | deviation) != noise.get(name, Noise())
-                 and name not in sound | unsound}
+        wider = {name for name, deviation in found.items() if name not in sound | unsound
+                 and (noise.get(name, Noise()) | deviation) != noise.get(name, Noise())}
         if wider:  # this re-ordering would widen them: only if pipecheck's own run of it is sound
             bad, said = _unsound_in_float64(job, eager, truth, accumulation, wider, dtype, seed)
             notes += [said] if said else []
@@ -164,25 +164,25 @@ def forward_difference(result: StepResult, eager: StepResult) -> str:
     got = {output_name(path): leaf for path, leaf in pytree.tree_flatten_with_path(result.outputs)[0]}
     pairs = [(output_name(path), got.get(output_name(path)), leaf)
              for path, leaf in pytree.tree_flatten_with_path(eager.outputs)[0]]
-    for name, test, expected in pairs:
-        if not isinstance(expected, torch.Tensor):
-            continue
-        if not isinstance(test, torch.Tensor) or test.shape != expected.shape or test.dtype != expected.dtype:
-            return f"{name} is not a {tuple(expected.shape)} {expected.dtype} tensor"
-        test = test.to(expected.device)  # a World's runner hands back host tensors
-        same = (test == expected) | (test.isnan() & expected.isnan()) if test.is_floating_point() \
-            else test == expected
-        if not bool(same.all()):
-            n = int((~same).sum())
-            return f"{name} differs in {plural(n, 'element')} of {expected.numel()}"
-    return ""
+    return next((f"{name} {differs}" for name, test, expected in pairs for differs in [_bits_differ(test, expected)]
+                 if differs), "")
+
+
+def _bits_differ(test: Any, expected: Any) -> str:
+    """How ``test`` differs from ``expected``'s bits, in words ("" where it does not; NaN is NaN)."""
+    if not isinstance(expected, torch.Tensor):
+        return ""
+    if not isinstance(test, torch.Tensor) or test.shape != expected.shape or test.dtype != expected.dtype:
+        return f"is not a {tuple(expected.shape)} {expected.dtype} tensor"
+    test = test.to(expected.device)  # a World's runner hands back host tensors
+    same = (test == expected) | (test.isnan() & expected.isnan()) if test.is_floating_point() else test == expected
+    if bool(same.all()):
+        return ""
+    return f"differs in {plural(int((~same).sum()), 'element')} of {expected.numel()}"
 
 
 def _same_bits(test: Any, expected: Any) -> bool:
-    if not isinstance(expected, torch.Tensor):
-        return True
-    return isinstance(test, torch.Tensor) and not forward_difference(StepResult(test, None, {}),
-                                                                      StepResult(expected, None, {}))
+    return not _bits_differ(test, expected)
 
 
 def _loss_sums(losses: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -272,26 +272,6 @@ def in_dtype(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
             module._buffers[name] = buffer
 
 
-@contextmanager
-def float64_failure_explained(model: nn.Module) -> Iterator[None]:
-    """Around the float64 ground-truth step, after the model's own step ran: a failure there is the
-    float64 copy's, not the model's in its own dtype (pipecheck._check.truth64 has already tried the ops
-    that failed in float32)."""
-    try:
-        yield
-    except InputError as err:
-        device = next((p.device.type for p in model.parameters()), "cpu")
-        raise InputError(
-            f"the float64 copy of {type(model).__name__} (pipecheck's ground truth) failed where the model "
-            f"itself ran in its own dtype: {first_line(err).split(' Fix: ')[0]} An op with no float64 kernel on "
-            f"{device} (torch._grouped_mm on CPU, a custom op) is run in float32 inside the truth, so the "
-            "model's own code refuses float64 here: a dtype check, a branch on the dtype, an op that fails in "
-            "float32 too. Fix: let the model run in float64 (make tensors in its inputs' dtype), or give that "
-            "layer an implementation with float64 kernels (transformers: config "
-            "experts_implementation='batched_mm')."
-        ) from err
-
-
 def check_deterministic(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> None:
     """Refuse a model whose outputs are random: no pipeline can match it, and its spread would widen
     the auto tolerance until a wrong answer passes. Leaves the model's buffers as found.

@@ -194,11 +194,6 @@ def float64_copy(model: nn.Module) -> nn.Module:
     return cast_module(copy.deepcopy(model), torch.float64)
 
 
-def float64_batches(batches: list[Inputs], targets: list[Any]) -> tuple[list[Inputs], list[Any]]:
-    """The batches and targets with their floating tensors in float64 (copies)."""
-    return cast_batches(batches, targets, torch.float64)
-
-
 def cast_batches(batches: list[Inputs], targets: list[Any], dtype: torch.dtype) -> tuple[list[Inputs], list[Any]]:
     """The batches and targets with their floating tensors in ``dtype`` (copies)."""
     cast = []

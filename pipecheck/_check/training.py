@@ -34,7 +34,6 @@ from pipecheck._check.numerics import Row, ToleranceLike, compare, judge_power
 from pipecheck._check.report import Report
 from pipecheck._check.train_eager import (
     cast_batches,
-    float64_batches,
     float64_copy,
     prepared_batches,
     train_eager,
@@ -158,7 +157,7 @@ def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: in
     del model
     for step in eager:
         check_finite(step)
-    batches64, targets64 = float64_batches(batches, targets)
+    batches64, targets64 = cast_batches(batches, targets, torch.float64)
     with seeded(seed):
         truth, _ = train_eager(float64_copy(built), batches64, job.training, job.loss_fn or projection_loss,
                                n, targets=targets64)

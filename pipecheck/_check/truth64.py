@@ -20,8 +20,8 @@ step: there ``truth.error`` estimates float64's rounding from the same step in f
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipecheck._check.eager import eager_step, float64_failure_explained, in_dtype
+from pipecheck._check.eager import eager_step, in_dtype
 from pipecheck._core.result import StepResult
 from pipecheck._split.inputs import Inputs, cast_inputs
 from pipecheck._split.model_factory import buffers_kept, seeded
@@ -70,6 +70,26 @@ def _grouped_mm64(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor |
 
 # Ops with no float64 kernel on some device, computed exactly in float64 from float64 ops.
 FLOAT64_IMPLEMENTATIONS: dict[Any, Callable[..., Any]] = {torch.ops.aten._grouped_mm.default: _grouped_mm64}
+
+
+@contextmanager
+def float64_failure_explained(model: nn.Module) -> Iterator[None]:
+    """Around the float64 ground-truth step, after the model's own step ran: a failure there is the
+    float64 copy's, not the model's in its own dtype (pipecheck._check.truth64 has already tried the ops
+    that failed in float32)."""
+    try:
+        yield
+    except InputError as err:
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        raise InputError(
+            f"the float64 copy of {type(model).__name__} (pipecheck's ground truth) failed where the model "
+            f"itself ran in its own dtype: {first_line(err).split(' Fix: ')[0]} An op with no float64 kernel on "
+            f"{device} (torch._grouped_mm on CPU, a custom op) is run in float32 inside the truth, so the "
+            "model's own code refuses float64 here: a dtype check, a branch on the dtype, an op that fails in "
+            "float32 too. Fix: let the model run in float64 (make tensors in its inputs' dtype), or give that "
+            "layer an implementation with float64 kernels (transformers: config "
+            "experts_implementation='batched_mm')."
+        ) from err
 
 
 def _op_name(func: Any) -> str:
