@@ -95,20 +95,21 @@ def eager_anchor(model: nn.Module, inputs: Inputs, job: Job, eager: StepResult, 
     if not check_grads:
         return EagerAnchored({}, named, zero), notes
     own: list[StepResult] = []
-    loss_noise = Noise()
+    expected: dict[str, torch.Tensor] = {}
     if job.n_microbatches > 1:
         with seeded(seed):
             shares, losses = microbatch_shares(model, inputs.unspoiled(), job.loss_fn or projection_loss,
                                                job.target, job.n_microbatches, precision)
         own = [StepResult(None, None, grads) for grads in _share_sums(shares, precision.grad_accumulation)]
         if loss_differs and isinstance(loss, torch.Tensor):
-            if not any(_same_bits(loss, total) for total in _loss_sums(losses)):
+            how = next((how for how, total in _loss_sums(losses).items() if _same_bits(loss, total)), "")
+            if not how:
                 return "auto", [f"the runner's loss is not eager's bits, nor the micro-batches' losses summed any way "
                                 f"engines sum them: this {named} check is anchored on float64, whose tolerance grows "
                                 "with eager's own error and may refuse tensors as blind"]
-            loss_noise = _deviation(loss, eager.loss) if eager.loss is not None else Noise()  # told by its bits
+            expected["loss"] = _loss_sums(losses)[how]  # told by its bits: compared with that sum, not widened
+            notes.append(f"the runner's loss is eager's micro-batch losses {how}, not their mean: compared with that")
     noise = _noise(eager, own)
-    noise["loss"] = loss_noise
     vouched: dict[Accumulation, tuple[set[str], set[str]]] = {}  # per re-ordering: rows found sound, unsound
     for accumulation, variant in _reference_variants(job, eager, seed, notes):
         found = _noise(eager, [variant])
@@ -123,7 +124,7 @@ def eager_anchor(model: nn.Module, inputs: Inputs, job: Job, eager: StepResult, 
         for name, deviation in found.items():
             if name not in unsound:
                 noise[name] = noise.get(name, Noise()) | deviation
-    return EagerAnchored(noise, named, zero), notes
+    return EagerAnchored(noise, named, zero, expected), notes
 
 
 def _numerically_zero(eager: StepResult, truth: StepResult) -> frozenset[str]:
@@ -185,12 +186,13 @@ def _same_bits(test: Any, expected: Any) -> bool:
     return not _bits_differ(test, expected)
 
 
-def _loss_sums(losses: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The step's loss from its micro-batches' own, as engines sum them: their mean (eager's), added one
-    by one (first to last, last to first) then divided, each divided then added, and in float32."""
+def _loss_sums(losses: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The step's loss from its micro-batches' own, as engines sum them, by how (eager's is their mean)."""
     n = len(losses)
-    return [torch.stack(losses).mean(), _in_order(losses) / n, _in_order(losses[::-1]) / n,
-            _in_order([loss / n for loss in losses]), (_in_order([loss.float() for loss in losses]) / n).to(losses[0])]
+    return {"added one by one, then divided": _in_order(losses) / n,
+            "added last first, then divided": _in_order(losses[::-1]) / n,
+            "each divided, then added": _in_order([loss / n for loss in losses]),
+            "added in float32, then divided": (_in_order([loss.float() for loss in losses]) / n).to(losses[0])}
 
 
 def _share_sums(shares: list[dict[str, torch.Tensor]], accumulation: torch.dtype | None

@@ -213,3 +213,12 @@ def test_three_microbatches_divided_after_summing_is_a_legitimate_order(runner: 
                                       n_microbatches=3, runner=runner, dtype=torch.bfloat16, seed=seed,
                                       world=pipecheck_world(2) if runner == "torch" else None)
         assert report.ok and report.tolerance == "auto, anchored on eager bfloat16"
+
+
+def test_a_loss_summed_as_deepspeed_sums_it_is_compared_with_that_sum_not_widened() -> None:
+    """DeepSpeed adds the micro-batches' bfloat16 losses one by one, then divides: an ulp off eager's mean.
+    Its bits show it is that sum, and its row is compared with it; a wider tolerance from the ulp made
+    this cancelling loss (0.004, eager 11% off float64) blind, and refused a correct engine."""
+    report = _zoo("nested_spec", CORRECT["summed last first"], seed=2)
+    assert report.ok and not report.blind and report.row("loss").max_abs == 0.0
+    assert "the runner's loss is eager's micro-batch losses added one by one, then divided" in report.notes[0]
