@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipecheck._cli.options import RUNNERS, device_option, dtype_option, runner_option
+from pipecheck._cli.options import DTYPES, RUNNERS, device_option, dtype_option, runner_option
 from pipecheck._runners import registry
 from pipecheck.errors import (
     AdapterError,
@@ -221,7 +221,8 @@ def _summary(args: argparse.Namespace, rows: list[list[str]], columns: list[tupl
     what = f"schedule {schedules[0]}" if len(schedules) == 1 else f"schedules {', '.join(schedules)}"
     across = (f"{len(columns)} columns" if args.columns or len(schedules) > 1
               else plural(len(columns), "runner"))
-    return (f"{plural(len(rows), 'model')} x {across}, {args.dtype}, {plural(args.n_microbatches, 'micro-batch')}, "
+    dtype = DTYPES.get(args.dtype, args.dtype)  # "bf16" said as "bfloat16", as the reports say it
+    return (f"{plural(len(rows), 'model')} x {across}, {dtype}, {plural(args.n_microbatches, 'micro-batch')}, "
             f"{what}, torch {torch.__version__}, in {time.perf_counter() - started:.1f}s")
 
 
