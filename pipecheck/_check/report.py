@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # only named: the command line reads MAX_LINES without import
     from pipecheck._runtime.boundaries import Divergence
 
 HEADERS = ("tensor", "stage", "shape", "max abs", "max rel", "tolerance", "worst index", "failing")
+FLOAT16_SMALLEST_NORMAL = 2.0 ** -14  # below it float16 is subnormal: a gradient there is rounding steps
 MAX_LINES = 40  # a report read whole at 2 a.m., and a test failure that does not scroll away
 
 
@@ -285,6 +286,10 @@ class Report:
                "a few values per channel is ill-conditioned), check in float64 (dtype=torch.float64, or --dtype "
                "float64 on the command line: eager, runner and truth in float64), or accept what it can see with "
                "an explicit tolerance=pc.Tolerance(rtol=..., atol=...).")
+        if self.dtype == "float16" and any(r.scale < FLOAT16_SMALLEST_NORMAL for r in blind):
+            fix += (f" In float16, values below {FLOAT16_SMALLEST_NORMAL:.1e} (its smallest normal number) lose bits to "
+                    "underflow: scale the loss as float16 training does (a loss_fn returning loss * 1024), or check "
+                    "in bfloat16.")
         shown = blind[:max(1, max_lines - 9)]
         cells = [(r.name, ",".join(map(str, r.stages)) or "-", percent(r.power or 0.0),
                   "-" if r.eager_off is None else percent(r.eager_off)) for r in shown]

@@ -222,3 +222,24 @@ def test_a_loss_summed_as_deepspeed_sums_it_is_compared_with_that_sum_not_widene
     report = _zoo("nested_spec", CORRECT["summed last first"], seed=2)
     assert report.ok and not report.blind and report.row("loss").max_abs == 0.0
     assert "the runner's loss is eager's micro-batch losses added one by one, then divided" in report.notes[0]
+
+
+def test_float16_gradients_that_underflow_are_refused_with_loss_scaling_as_the_fix() -> None:
+    """BERT's query and key gradients are ~3e-6 in float16, below its smallest normal number: subnormal
+    rounding steps, 10-18% off float64, which no tolerance can certify. The refusal names underflow and
+    loss scaling, and a loss scaled by 1024 (a GradScaler's job) is certified."""
+    pytest.importorskip("transformers")
+    entry = get("hf_bert")
+    args, kwargs = entry.inputs()
+    labels = torch.randint(0, 128, args[0].shape, generator=torch.Generator().manual_seed(3))
+
+    def check(scale: float) -> pc.Report:
+        def loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+            logits = out.logits.reshape(-1, out.logits.shape[-1]).float()
+            return torch.nn.functional.cross_entropy(logits, target.reshape(-1)) * scale
+        return pc.assert_equivalent(entry.factory("spec"), args, kwargs, runner="reference", dtype=torch.float16,
+                                    n_microbatches=4, loss_fn=loss, target=labels, **entry.cut("spec"))
+
+    with pytest.raises(pc.PowerError, match="lose bits to underflow: scale the loss"):
+        check(1.0)
+    assert check(1024.0).ok

@@ -402,3 +402,11 @@ def test_planted_training_bugs_are_caught_in_bfloat16(bug, first) -> None:  # ty
         _check(Trainer(bug), dtype=torch.bfloat16, data_parallel=2 if variant == "dp" else 1,
                **({"model": make_frozen_lm} if variant == "frozen" else {}))
     assert any(row.name.startswith(first) for row in caught.value.report.failures)
+
+
+@pytest.mark.gpu(n=1)
+def test_a_bfloat16_training_check_on_a_gpu_is_anchored_on_eager() -> None:
+    report = _check("reference", device="cuda", dtype=torch.bfloat16)
+    assert report.ok and report.tolerance == "auto, anchored on eager bfloat16", report.notes
+    with pytest.raises(pc.EquivalenceError):
+        _check(Trainer("grads_not_zeroed"), device="cuda", dtype=torch.bfloat16)
