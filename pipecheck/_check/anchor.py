@@ -8,20 +8,25 @@ In bfloat16 and float16, eager is 2-40% off float64 on cancelling losses, norm w
 a tolerance that grows with that distance grows wider than the bugs. A correct runner is much closer
 to eager in eager's own dtype: its forward runs the same kernels on the same micro-batches, bit for
 bit, and its gradients differ only by the order their sums are taken in. So while the runner's
-outputs and loss are bit for bit eager's, each tensor is compared with eager, its tolerance measured
+outputs are bit for bit eager's (and its loss is eager's, or eager's micro-batch losses summed another
+way engines sum them, told by its bits), each tensor is compared with eager, its tolerance measured
 from legitimate re-orderings of the same math (the variants):
 
 - eager's own per-micro-batch gradients, summed first to last, last to first, pairwise, and in
   float32 (then rounded to the check's dtype);
 - pipecheck's reference runner as it is, with every sum taken in reverse (micro-batches, a skip
-  connection's consumers, a tied parameter's replicas), and accumulating in float32.
+  connection's consumers, a tied parameter's replicas, a model input's consumers), accumulating in
+  float32, dividing by the micro-batch count after summing (torch's pipelining), and on another number
+  of threads (on the CPU a kernel's reduction is split by thread).
 
 A variant of the reference runner widens a tolerance only if it is sound: its forward bit for bit
-eager's, and, where it moves a tensor further than eager's own variants do, the same reference run
-in float64 within a sixteenth of the check's epsilon of the float64 truth (a bug of pipecheck's own
-that moved a gradient would otherwise widen the tolerance that should catch it). Where the runner's
-forward is not bit for bit eager's (an engine's own kernels, a fused op, a GPU kernel chosen by the
-micro-batch's shape), the check says so and falls back on the float64 anchor, refusals and all.
+eager's, and, where it moves a tensor further than the variants before it, the same reference run in
+float64 within a sixteenth of the row's epsilon of the float64 truth (a bug of pipecheck's own that
+moved a gradient would otherwise widen the tolerance that should catch it). Where the runner's forward
+is not bit for bit eager's (an engine's own kernels, a fused op, a GPU kernel chosen by the
+micro-batch's shape), the check says so and falls back on the float64 anchor, refusals and all. A
+training check (:func:`training_anchor`) measures each step's noise from eager trained again with its
+micro-batch gradients summed in other orders.
 """
 
 from __future__ import annotations
