@@ -280,8 +280,11 @@ class Report:
         head = (f"runner {self.runner!r} matched eager, but that certifies nothing: "
                 f"{len(blind)} of {len(self.rows)} tensors could hide an error of {percent(POWER_LIMIT)} or more "
                 f"({self._settings()})\n"
-                f"The {self.dtype} eager run is itself far from the float64 truth on them, and tolerance 'auto' "
-                "grows with that error, until a wrong gradient fits.\n\n")
+                + (f"Anchored on eager {self.dtype}, each tolerance is as wide as summing the same numbers in another "
+                   "order moves them, and on these tensors that is rounding noise as large as a wrong gradient.\n\n"
+                   if self.tolerance.startswith("auto, anchored on eager") else
+                   f"The {self.dtype} eager run is itself far from the float64 truth on them, and tolerance 'auto' "
+                   "grows with that error, until a wrong gradient fits.\n\n"))
         fix = (f"Fix: make the {self.dtype} run well-conditioned (larger micro-batches, or eval mode: BatchNorm over "
                "a few values per channel is ill-conditioned), check in float64 (dtype=torch.float64, or --dtype "
                "float64 on the command line: eager, runner and truth in float64), or accept what it can see with "
