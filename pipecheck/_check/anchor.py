@@ -67,7 +67,7 @@ GUARD = 1 / 16  # of the check's epsilon times a tensor's largest true value: a 
 
 def low_precision(eager: StepResult, precision: Precision = PLAIN) -> bool:
     """Whether a check computes in bfloat16 or float16 (its outputs' dtype, or autocast's)."""
-    return precision.autocast is not None or result_dtype(eager) in LOW_PRECISION
+    return _compute_dtype(eager, precision) in LOW_PRECISION
 
 
 def _compute_dtype(eager: StepResult, precision: Precision) -> torch.dtype:
@@ -107,12 +107,13 @@ def eager_anchor(model: nn.Module, inputs: Inputs, job: Job, eager: StepResult, 
                                                job.target, job.n_microbatches, precision)
         own = [StepResult(None, None, grads) for grads in _share_sums(shares, precision.grad_accumulation)]
         if loss_differs and isinstance(loss, torch.Tensor):
-            how = next((how for how, total in _loss_sums(losses).items() if _same_bits(loss, total)), "")
+            sums = _loss_sums(losses)
+            how = next((how for how, total in sums.items() if _same_bits(loss, total)), "")
             if not how:
                 return "auto", [f"the runner's loss is not eager's bits, nor the micro-batches' losses summed any way "
                                 f"engines sum them: this {named} check is anchored on float64, whose tolerance grows "
                                 "with eager's own error and may refuse tensors as blind"]
-            expected["loss"] = _loss_sums(losses)[how]  # told by its bits: compared with that sum, not widened
+            expected["loss"] = sums[how]  # told by its bits: compared with that sum, not widened
             notes.append(f"the runner's loss is eager's micro-batch losses {how}, not their mean: compared with that")
     noise = _noise(eager, own)
     vouched: dict[Accumulation, tuple[set[str], set[str]]] = {}  # per re-ordering: rows found sound, unsound

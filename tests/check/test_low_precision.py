@@ -71,7 +71,7 @@ def test_a_planted_bug_is_caught_in_bfloat16(bug: str, name: str, n: int) -> Non
     assert caught.value.report.failures
 
 
-def test_a_gradient_off_by_a_tenth_is_named_in_float16() -> None:
+def test_a_gradient_off_by_a_hundredth_is_named_in_float16() -> None:
     with pytest.raises(pc.EquivalenceError) as caught:
         _zoo("tiny_gpt", BUGS["stage 0 x0.99"], torch.float16)  # float16 sees 1%: its epsilon is 8x smaller
     assert {row.name for row in caught.value.report.failures} >= {"grad pos_emb"}
