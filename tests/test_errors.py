@@ -58,6 +58,22 @@ class DataDependent(nn.Module):
         return -self.a(x)
 
 
+class WritesItsWeight(AdjacentMarkers):
+    """A forward that updates a parameter in place, under no_grad or through ``.data``."""
+
+    def __init__(self, through_data: bool = False) -> None:
+        super().__init__()
+        self.through_data = through_data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.through_data:
+            self.a.weight.data.mul_(1.01)
+        else:
+            with torch.no_grad():
+                self.a.weight.mul_(1.01)
+        return self.b(self.a(x))
+
+
 class UnusedChild(AdjacentMarkers):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.a(x)
@@ -82,6 +98,17 @@ CASES: list[tuple[str, Callable[[], Any], type[pc.PipecheckError], tuple[str, ..
     ("spec-several-problems-at-once",
      lambda: pc.split(_mlp(), (X,), split_spec={"layer.1": BEGIN, "head": "middle"}),
      pc.SplitError, ("'layer.1' is not a submodule", "'head': split point 'middle' is not SplitPoint")),
+    ("spec-int-key", lambda: pc.split(_mlp(), (X,), split_spec={1: BEGIN}),
+     pc.SplitError, ("key 1 (int) is not a module FQN", "Did you mean 'layers.1'", "named_modules()")),
+    ("spec-not-a-dict", lambda: pc.split(_mlp(), (X,), split_spec=["layers.1"]),
+     pc.SplitError, ("split_spec must be a dict of module FQN -> SplitPoint, got a list",
+                     "Fix: e.g. split_spec={'head': pc.SplitPoint.BEGINNING}")),
+    ("forward-writes-a-parameter", lambda: _check(WritesItsWeight, split_spec={"b": BEGIN}),
+     pc.InputError, ("WritesItsWeight's forward changes its parameter(s) 'a.weight' in place",
+                     "Fix: compute the changed weight out of place")),
+    ("forward-writes-a-parameter-data", lambda: _check(lambda: WritesItsWeight(through_data=True),
+                                                       split_spec={"b": BEGIN}),
+     pc.InputError, ("changes its parameter(s) 'a.weight' in place", "on its .data")),
     ("spec-module-never-called", lambda: pc.split(UnusedChild(), (X,), split_spec={"b": BEGIN}),
      pc.SplitError, ("forward never calls: ['b']", "Fix: cut at a module that runs")),
     ("adjacent-markers-fx", lambda: pc.split(AdjacentMarkers(), (X,)),

@@ -287,7 +287,7 @@ def check_deterministic(model: nn.Module, inputs: Inputs, n_microbatches: int, s
     ``scatter_add``) differ in the last bits from call to call without drawing anything."""
     found = _random_outputs(model, inputs, n_microbatches, seed)
     if found:
-        raise _random_model_error(model, found)
+        raise _random_model_error(model, found, _parameters_written(model, inputs, n_microbatches, seed))
 
 
 def refuse_random(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> None:
@@ -298,7 +298,28 @@ def refuse_random(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: i
     except Exception:
         return
     if found:
-        raise _random_model_error(model, found)
+        raise _random_model_error(model, found, _parameters_written(model, inputs, n_microbatches, seed))
+
+
+def _parameters_written(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> list[str]:
+    """The parameters one forward of the first micro-batch writes in place (``weight.mul_`` under
+    ``no_grad``, ``weight.data.copy_``), each put back as found. Only on the way to a refusal: it
+    copies every parameter."""
+    params = dict(model.named_parameters())
+    saved = {name: p.detach().clone() for name, p in params.items()}
+    call = inspect.BoundArguments(inputs.signature, split_microbatches(inputs.unspoiled().arguments,
+                                                                        n_microbatches)[0])
+    try:
+        with seeded(seed), torch.no_grad(), buffers_kept(model):
+            _call(model, call, n_microbatches)
+    except Exception:
+        return []
+    finally:
+        written = [name for name, p in params.items() if not _same_bits(saved[name], p.detach())]
+        with torch.no_grad():
+            for name in written:
+                params[name].copy_(saved[name])
+    return written
 
 
 class _Draws(TorchDispatchMode):
@@ -425,7 +446,18 @@ def _relative_change(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a64 - b64).abs().max() / a64.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
 
 
-def _random_model_error(model: nn.Module, why: str) -> InputError:
+def _random_model_error(model: nn.Module, why: str, written: list[str]) -> InputError:
+    if written:
+        shown = ", ".join(repr(name) for name in written[:4]) + (f" and {len(written) - 4} more"
+                                                                 if len(written) > 4 else "")
+        return InputError(
+            f"{type(model).__name__}'s forward changes its parameter(s) {shown} in place (an in-place op on the "
+            "weight under no_grad, or on its .data): each call runs on other weights, so two forwards of the same "
+            "micro-batch differ, no pipeline can match eager's step, and the gradients are not of the weights "
+            "the step started from. Fix: compute the changed weight out of place in forward (w = self.weight * "
+            "1.01, then use w), or make the update part of the optimizer step (pc.Training(optimizer=...)), "
+            "or keep a value that forward must update in a buffer."
+        )
     return InputError(
         f"{type(model).__name__} is not deterministic: {why} (dropout, stochastic depth or another random op "
         "in train mode, or a generator, random module or call counter of its own?). No pipeline can match it, "

@@ -43,7 +43,18 @@ def normalize_split_spec(model: nn.Module, split_spec: SplitSpec) -> dict[str, S
     modules = dict(model.named_modules())
     problems: list[str] = []
     spec: dict[str, SplitPoint] = {}
+    if not isinstance(split_spec, Mapping):
+        raise SplitError(
+            f"split_spec must be a dict of module FQN -> SplitPoint, got a {type(split_spec).__name__}: "
+            f"{split_spec!r}.\nFix: e.g. split_spec={{{_example_fqn(modules)!r}: pc.SplitPoint.BEGINNING}} (FQNs as "
+            "printed by model.named_modules())."
+        )
     for fqn, point in split_spec.items():
+        if not isinstance(fqn, str):
+            named = [m for m in modules if m.rsplit(".", 1)[-1] == str(fqn)]
+            hint = f" Did you mean {', '.join(repr(m) for m in named[:3])}?" if named else ""
+            problems.append(f"  key {fqn!r} ({type(fqn).__name__}) is not a module FQN: keys are strings.{hint}")
+            continue
         if fqn not in modules or fqn == "":
             close = difflib.get_close_matches(fqn, [m for m in modules if m], n=3)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
@@ -59,6 +70,12 @@ def normalize_split_spec(model: nn.Module, split_spec: SplitSpec) -> dict[str, S
             + "\nFix: use module FQNs as printed by model.named_modules(), mapped to SplitPoint.BEGINNING/END."
         )
     return spec
+
+
+def _example_fqn(modules: Mapping[str, nn.Module]) -> str:
+    """A submodule's FQN to show in an example: the last one named, or a made-up one for a leaf model."""
+    names = [m for m in modules if m]
+    return names[-1] if names else "layers.1"
 
 
 def has_tensor(value: Any) -> bool:
