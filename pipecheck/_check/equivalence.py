@@ -26,14 +26,8 @@ import torch.nn as nn
 
 from pipecheck._check.anchor import eager_anchor, low_precision
 from pipecheck._check.compare import compare_all
-from pipecheck._check.eager import (
-    buffers_kept,
-    check_deterministic,
-    check_finite,
-    eager_step,
-    refuse_random,
-    result_dtype,
-)
+from pipecheck._check.determinism import check_deterministic, refuse_random
+from pipecheck._check.eager import buffers_kept, check_finite, eager_step, result_dtype
 from pipecheck._check.localise import ReferenceByMicrobatch, locate, not_located
 from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_tolerance
 from pipecheck._check.report import Report, percent

@@ -28,8 +28,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecheck._check.anchor import low_precision, training_anchor
+from pipecheck._check.determinism import check_deterministic
 from pipecheck._check.diagnose import diagnose_grad, matches
-from pipecheck._check.eager import check_deterministic, check_finite, output_name
+from pipecheck._check.eager import check_finite, output_name
 from pipecheck._check.numerics import Row, ToleranceLike, compare, judge_power
 from pipecheck._check.report import Report
 from pipecheck._check.train_eager import (

@@ -452,7 +452,7 @@ def test_a_random_model_no_tracer_can_trace_is_refused_as_random() -> None:
 
 def test_the_probe_tolerates_last_bit_differences_but_not_random_ones() -> None:
     """Atomic adds on a GPU reorder sums from call to call; dropout changes values wholesale."""
-    from pipecheck._check.eager import _differ
+    from pipecheck._check.determinism import _differ
 
     a = torch.randn(64, 64)
     assert not _differ(a, a.clone())

@@ -294,7 +294,7 @@ def test_float64_mixed_with_a_tensor_the_model_makes_is_named_as_such() -> None:
 
 
 def test_higher_order_ops_pass_through_the_truth_s_and_the_probe_s_dispatch_modes() -> None:
-    from pipecheck._check.eager import _Draws
+    from pipecheck._check.determinism import _Draws
     from pipecheck._check.truth64 import Float64Ops
 
     x = torch.randn(3, dtype=torch.float64)
