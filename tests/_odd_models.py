@@ -159,3 +159,30 @@ class LayerNormStack(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x) + self.cache.sum()
+
+
+class ClippedSqrt(torch.autograd.Function):
+    """A square root whose gradient is clipped, as RecurrentGemma's ``SqrtBoundDerivative``: a module-level
+    custom Function, kept as one call by both tracers (its backward is not autograd's of its forward)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.sqrt(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad / torch.sqrt(torch.clip(4.0 * x, min=1.0))  # clipped where x < 1/4: not 1/(2 sqrt x)
+
+
+class GatedSqrt(nn.Module):
+    """A RecurrentGemma-like gate: ``ClippedSqrt`` of a sigmoid, between two layers (cut at ``b``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h * ClippedSqrt.apply(torch.sigmoid(h) * 0.5))

@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._split.autograd_functions import called_function, function_call
 from pipecheck._split.inputs import bind_signature
 from pipecheck._split.traced import try_resolve
 from pipecheck.errors import InputError
@@ -235,10 +236,15 @@ def _leaf_spec() -> pytree.TreeSpec:
 
 
 class _Pickler(pickle.Pickler):
-    """pickle, with torch's operators by name (an ``OpOverload`` holds pybind objects that do not pickle), and
-    a pytree leaf as torch's own (unpickling a ``LeafSpec`` makes a new one, which torch 2.10 warns of)."""
+    """pickle, with torch's operators by name (an ``OpOverload`` holds pybind objects that do not pickle), a
+    custom autograd.Function's call by its class (RecurrentGemma's ``SqrtBoundDerivative``: the call is a
+    closure pickle cannot name), and a pytree leaf as torch's own (unpickling a ``LeafSpec`` makes a new
+    one, which torch 2.10 warns of)."""
 
     def reducer_override(self, obj: Any) -> Any:
+        function = called_function(obj)
+        if function is not None:  # the class pickles by name; one that cannot be imported fails here
+            return function_call, (function,)
         if isinstance(obj, torch._ops.OpOverload):
             return _op_overload, (obj.namespace, obj._opname, obj._overloadname)
         if isinstance(obj, torch._ops.OpOverloadPacket):

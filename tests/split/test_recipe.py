@@ -25,6 +25,7 @@ from pipecheck._split.pipe import split_on
 from pipecheck._split.recipe import SplitRecipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the ranks import _world_jobs from there too
+import _odd_models  # noqa: E402
 import _world_jobs as jobs  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -307,6 +308,37 @@ def test_ranks_of_a_world_cut_without_tracing(pipecheck_world) -> None:
     args, kwargs = entry.inputs()
     factory = ModelFactory(entry.factory("spec"), seed=0)
     job = Job(model=factory, args=args, kwargs=kwargs, tracer="export", n_microbatches=2, **entry.cut("spec"))
+    pipe = job.structure()
+    spec = step_spec(job, plan_schedule(job, pipe), pipe)
+    assert spec.recipe is not None
+    expected = (str(pipe), [stage.module.code for stage in pipe.stages])
+    assert pipecheck_world(2).run(jobs.split_without_tracing, spec)[:2] == [expected, expected]
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_custom_functions_call_travels_in_the_recipe(tracer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RecurrentGemma's SqrtBoundDerivative: the graph calls the Function through a closure pickle cannot
+    name, so the recipe did not pickle and every rank of every check traced the model again (5 s a warm
+    check). The call travels as its class; the rank's stages run the Function's own backward."""
+    factory, x = ModelFactory(_odd_models.GatedSqrt, seed=0), torch.rand(8, 8)
+    driver = pc.split(factory, (x,), split_spec={"b": pc.SplitPoint.BEGINNING}, tracer=tracer)
+    data = driver.recipe.dumps()
+    assert data is not None
+    forbid_tracing(monkeypatch)
+    rank = split_on(CPU, factory, (x,), None, split_spec=None, policy=None, tracer=tracer, recipe=data)
+    assert _layout(rank) == _layout(driver)
+    assert "ClippedSqrt_apply" in rank.stage_module(0).code
+    ours, theirs = (pc.DetachExecutor(pipe).step((x,), n_microbatches=2) for pipe in (rank, driver))
+    assert all(torch.equal(ours.grads[k], theirs.grads[k]) for k in theirs.grads)
+    plain = factory()
+    (plain.b(plain.a(x) * torch.sqrt(torch.sigmoid(plain.a(x)) * 0.5))).sum().backward()  # autograd's sqrt
+    assert not torch.allclose(ours.grads["a.weight"], plain.a.weight.grad)  # so the clipped backward ran
+
+
+def test_ranks_of_a_world_cut_a_model_with_a_custom_function_without_tracing(pipecheck_world) -> None:
+    factory = ModelFactory(_odd_models.GatedSqrt, seed=0)
+    job = Job(model=factory, args=(torch.rand(8, 8),), split_spec={"b": pc.SplitPoint.BEGINNING}, tracer="export",
+              n_microbatches=2)
     pipe = job.structure()
     spec = step_spec(job, plan_schedule(job, pipe), pipe)
     assert spec.recipe is not None

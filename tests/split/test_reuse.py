@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ import pipecheck._split.reuse as reuse
 from pipecheck import fixtures
 from pipecheck._split.model_factory import ModelFactory
 from pipecheck._split.reuse import forget_splits, split_reusing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the stand-in models
+import _odd_models  # noqa: E402
 
 
 class Traces:
@@ -251,3 +255,18 @@ def test_a_large_attribute_is_the_new_models_own_and_not_kept(traces: Traces) ->
                          hits=[])
     assert traces.count == 1
     assert any(getattr(stage.module, "table", None) is model.table for stage in pipe.stages)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_reused_split_of_a_model_with_a_custom_function_is_seen_to_hold(tracer: str, traces: Traces) -> None:
+    """RecurrentGemma's trait (a custom autograd.Function): the second split reuses the first's trace, and
+    tracing again finds the same graph (its recipe once did not pickle, so it never compared equal: a
+    failing check would have been run twice, and the distributed ranks traced every time)."""
+    x, cut = torch.rand(8, 8), {"split_spec": {"b": pc.SplitPoint.BEGINNING}, "tracer": tracer}
+    _split(ModelFactory(_odd_models.GatedSqrt, seed=0), (x,), {}, **cut)
+    hits: list[reuse.Hit] = []
+    split_reusing(ModelFactory(_odd_models.GatedSqrt, seed=0), _odd_models.GatedSqrt(), (x,), {},
+                  split_spec=cut["split_spec"], policy=None, tracer=tracer, hits=hits)
+    assert traces.count == 1 and len(hits) == 1
+    assert hits[0].recipe.dumps() is not None  # what the ranks are sent
+    assert hits[0].still_traced_the_same() is True
