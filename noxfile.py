@@ -1,4 +1,5 @@
-"""nox sessions: ``nox -s tests`` (CPU, what CI runs), ``lint``, ``gpu``, ``nightly``, ``matrix``, ``bench``.
+"""nox sessions: ``nox -s tests`` (CPU, what CI runs), ``lint``, ``gpu``, ``nightly``, ``matrix``, ``real_models``,
+``bench``.
 
 ``tests`` installs as a new user does, so it gets the newest torch the package index serves;
 ``tests_floor`` the oldest torch pipecheck supports; ``matrix`` one session per supported torch
@@ -65,13 +66,23 @@ def gpu(session: nox.Session) -> None:
 def nightly(session: nox.Session) -> None:
     """Many more hypothesis examples (HYPOTHESIS_PROFILE=nightly), then the tests marked slow, then the
     torch version matrix (every supported torch: about an hour on 2 cores; it re-checks the release
-    boundaries tests/_torch_findings.py assumes)."""
+    boundaries tests/_torch_findings.py assumes), then the real-model suite (real_models)."""
     session.install("-e", ".[test]", env=NO_CONSTRAINTS)
     session.run("pytest", "-n", "auto", "tests/strategies/test_properties.py", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "nightly"})
     session.run("pytest", "-n", "auto", "-m", "slow")  # e.g. two torchrun agents as two nodes
     for minor in TESTED_TORCH:  # notify("matrix") would queue only the first of them
         session.notify(f"matrix(torch={minor!r})")
+    session.notify("real_models")
+
+
+@nox.session
+def real_models(session: nox.Session) -> None:
+    """HuggingFace families and torchvision's models as users write them (default configs, train mode)
+    through the reference, distributed and torch runners; rewrites docs/real-models.md's table (about an
+    hour on 2 cores). ``nox -s real_models -- --families llama,gptj`` runs a few."""
+    session.install("-e", ".[test,vision]", env=NO_CONSTRAINTS)
+    session.run("python", "benchmarks/real_models.py", *(session.posargs or ["--write"]))
 
 
 @nox.session
