@@ -66,6 +66,30 @@ def projection_loss(outputs: Any, target: Any) -> torch.Tensor:
     return total
 
 
+def model_loss(outputs: Any, target: Any = None) -> torch.Tensor:
+    """The loss the model computes itself, as HuggingFace models do when called with ``labels=``:
+
+        pc.assert_equivalent(make_model, (ids,), {"labels": labels}, loss_fn=pc.losses.model_loss)
+
+    ``outputs.loss`` (a ``ModelOutput``), ``outputs["loss"]`` (a dict) or ``outputs[0]`` (a tuple, as with
+    ``return_dict=False``). The labels are a keyword input, split into micro-batches like every input, and
+    reach the stage that computes the loss. The check's loss is then the mean of the micro-batches' own
+    losses, each the model's reduction over its micro-batch (for a causal LM, the mean over its tokens whose
+    label is not -100): the full batch's loss when every micro-batch has as many valid tokens, and what eager
+    is run with in any case. ``target`` is not used (the labels are the target)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor) \
+            and outputs[0].numel() == 1:
+        loss = outputs[0]
+    if loss is None:
+        seen = (f"{type(outputs).__name__} with {list(outputs.keys())}" if isinstance(outputs, dict)
+                else _describe(outputs))
+        raise LossError(f"loss_fn=pc.losses.model_loss found no loss in the model's outputs ({seen}). "
+                        "Fix: pass the labels the model computes its loss from as a keyword input, e.g. "
+                        "kwargs={'labels': ids}, or give a loss_fn of your own.")
+    return loss
+
+
 def check_scalar_loss(loss: Any, loss_fn: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         seen = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__

@@ -41,6 +41,7 @@ from pipecheck._runners.job import Job, Runner
 from pipecheck._runners.registry import RUNNERS, runner_named
 from pipecheck._split.inputs import prepare_inputs
 from pipecheck._split.model_factory import ModelFactory, refuse_unreproducible, seeded
+from pipecheck._split.model_outputs import left_out_notes
 from pipecheck._split.reuse import Hit, split_reusing
 from pipecheck._split.trace import check_tracer
 from pipecheck._split.traced import SplitSpec
@@ -192,6 +193,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         report = check_training(run, runner_name, job, built, inputs, tolerance, check_grads, seed, clock,
                                 dtype, device)
         report.timings.update(timings, total_s=time.perf_counter() - started)
+        report.notes[:0] = left_out_notes(built)
         return _verdict(report, tolerance, factory)
     initial_buffers = {name: b.detach().clone() for name, b in built.named_buffers()}
     with clock("eager_s"), seeded(seed), buffers_kept(built):  # the user's RNG: untouched
@@ -225,6 +227,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
                 anchored, anchor_notes = tolerance, [
                     f"the legitimate noise of this low-precision check could not be measured ({type(err).__name__}: "
                     f"{first_line(err)[:160]}): it is anchored on float64"]
+    left_out = left_out_notes(built)  # outputs no runner hands back (a generation cache): said, not compared
     del built
     clean = inputs.unspoiled()  # hints re-run the reference: never on inputs the runner wrote into
     job = dataclasses.replace(job, args=clean.args, kwargs=clean.kwargs)
@@ -235,7 +238,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     timings["total_s"] = time.perf_counter() - started
     report = Report(runner_name, rows, hints, str(anchored),
                     str(result_dtype(eager)).replace("torch.", ""), n_microbatches, pipe.num_stages, timings,
-                    anchor_notes + notes, pipe.tracer, precision=precision.describe())
+                    left_out + anchor_notes + notes, pipe.tracer, precision=precision.describe())
     _judge_blind(report, tolerance)
     if not report.ok:
         # a factory that builds other weights on each call: no runner can match, whatever the table says

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from pipecheck._core.precision import check_dtype
 from pipecheck._split.inputs import cast_module
+from pipecheck._split.model_outputs import caches_left_out
 from pipecheck.errors import InputError
 
 ModelLike = nn.Module | Callable[[], nn.Module]
@@ -148,7 +149,7 @@ class ModelFactory:
                 model = copy_module(model)
         if self.dtype is not None or self.device is not None:
             model = cast_module(model, self.dtype, self.device)
-        return model
+        return caches_left_out(model)
 
     def on(self, device: str | torch.device) -> ModelFactory:
         """The same model, built on ``device`` (each rank builds on its own)."""

@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 from pipecheck._split.inputs import as_args
 from pipecheck._split.markers import PIPE_SPLIT_OP, is_marker
 from pipecheck._split.model_factory import ModelFactory, ModelLike, build_module, copy_module
+from pipecheck._split.model_outputs import caches_left_out
 from pipecheck._split.recipe import SplitRecipe
 from pipecheck._split.trace import check_tracer, trace
 from pipecheck._split.traced import SplitSpec, Traced, normalize_split_spec
@@ -419,6 +420,7 @@ def split_module(model: nn.Module, args: Sequence[Any] | Any, kwargs: Mapping[st
         raise SplitError("both split_spec and policy were given; they disagree on where to cut. "
                          "Fix: pass one of them.")
     check_tracer(tracer)
+    model = caches_left_out(model)
     spec = normalize_split_spec(model, split_spec or {})
     traced = trace(model, as_args(args), dict(kwargs or {}), spec, tracer)
     if policy is not None:

@@ -271,12 +271,25 @@ def _engine_error(error: RankError, when: str, job: Job) -> EngineError | Adapte
         return adapter_error(error, ENGINE)
     message, context = torch_message(error)
     inside = f" (inside torch: {context})" if context else ""
+    known = next((why for words, why in TORCH_BUGS.items() if words in message), "")
     return EngineError(
-        f"{message}\n"
+        f"{message}\n{known}"
         f"{ENGINE} failed on rank {error.rank}, stage {error.stage}, {when}{inside}; {_setting(job)}.\n"
         f"Traceback on rank {error.rank}:\n{error.traceback.rstrip()}",
         engine=ENGINE, rank=error.rank, stage=error.stage, cause=error,
     )
+
+
+TORCH_BUGS = {
+    "input tensor has to be contiguous": (
+        "This is torch.distributed.pipelining's bug, not your model's: it sends a stage's output as it is, and "
+        "torch.distributed sends only contiguous tensors (gloo raises this; NCCL can deliver scrambled values, "
+        "pytorch/pytorch#62283). A value handed on at the cut is a view (a transpose, an expand, a slice). "
+        "Fix: make it contiguous before the cut (.contiguous()), or cut elsewhere; runner='distributed' sends it "
+        "as it is.\n"),
+}
+"""torch's failures that are known bugs of torch.distributed.pipelining (the words of its message -> a line
+saying so, and the way round it)."""
 
 
 def _setting(job: Job) -> str:
