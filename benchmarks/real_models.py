@@ -132,6 +132,9 @@ TORCH_BUGS: dict[str, str] = {
 }
 
 
+TORCH_SAYS_SO = "torch.distributed.pipelining's bug"  # how runner="torch" itself names a known bug of torch
+
+
 def build_hf(family: str, train: bool = True) -> nn.Module:
     """The family's model, built from its config class with ``SMALL`` sizes and its own defaults, in train
     mode (``train=False``: eval mode, as benchmarks/bench_warm.py times it)."""
@@ -219,14 +222,19 @@ def classify(runner: str, result: Any) -> Cell:
         message = f"{failure.name}: {hint.split(':')[0]}" if hint else f"{failure.name} differs from eager"
     if runner == "torch" and isinstance(result, EngineError | EquivalenceError):
         known = next((why for sign, why in TORCH_BUGS.items() if sign in message or sign in str(result)), None)
+        said = [line for line in str(result).splitlines() if TORCH_SAYS_SO in line]  # the torch runner's own word
+        known = known or (one_line(said[0]) if said else None)
         if known is not None:
             return Cell("torch bug", "torch bug", f"{message[:100]} — {known}")
     if isinstance(result, EquivalenceError):
         return Cell("fail", "FAIL", message)
     if isinstance(result, AdapterError) or not isinstance(result, PipecheckError):
         return Cell("error", "ERROR", f"{type(result).__name__}: {message}")
-    if isinstance(result, EngineError) and "refused before any rank started" not in str(result):
+    if isinstance(result, EngineError) and " did not finish within " in message:
+        return Cell("error", "ERROR (timeout)", one_line(message))
+    if isinstance(result, EngineError) and (result.rank is not None or result.cause is not None):
         return Cell("fail", "FAIL (engine)", one_line(message))  # an engine failed mid-step, for no known reason
+    # else an engine's refusal of the split, said before any rank started (what torch cannot express or run)
     if isinstance(result, PowerError):
         return Cell("refused", "refused", f"blind: {one_line(message)}")
     return Cell("refused", "refused", f"{type(result).__name__}: {one_line(message)}")

@@ -42,9 +42,16 @@ CONTIGUOUS = "RuntimeError: input tensor has to be contiguous\ntorch.distributed
 
 
 @pytest.mark.parametrize(("runner", "error", "outcome", "why"), [
-    pytest.param("torch", EngineError(CONTIGUOUS), "torch bug", "gloo sends only contiguous", id="torch-contiguous"),
-    pytest.param("distributed", EngineError(CONTIGUOUS), "fail", "contiguous", id="ours-same-message-fails"),
-    pytest.param("torch", EngineError("stage 1 hangs\nmore"), "fail", "stage 1 hangs", id="torch-unknown-fails"),
+    pytest.param("torch", EngineError(CONTIGUOUS, rank=0), "torch bug", "gloo sends only contiguous", id="torch-contiguous"),
+    pytest.param("distributed", EngineError(CONTIGUOUS, rank=0), "fail", "contiguous", id="ours-same-message-fails"),
+    pytest.param("torch", EngineError("stage 1 fails\nmore", rank=1), "fail", "stage 1 fails", id="torch-unknown-fails"),
+    pytest.param("torch", EngineError("torch cannot cut where the policy cuts: ...\nFix: markers.", engine="torch"),
+                 "refused", "EngineError: torch cannot cut where the policy cuts", id="torch-cannot-cut"),
+    pytest.param("distributed", EngineError("pipecheck's runtime did not finish within 9 s (rank 1 hung)", rank=1),
+                 "error", "did not finish within 9 s", id="timeout"),
+    pytest.param("torch", EngineError("RuntimeError: odd\nThis is torch.distributed.pipelining's bug, not your "
+                                      "model's: it does X. Fix: Y.\nmore"), "torch bug", "it does X. Fix: Y",
+                 id="torch-runner-says-so"),
     pytest.param("torch", EngineError("forward() got an unexpected keyword argument 'mask'\n... refused before any "
                                       "rank started."), "torch bug", "stage 0's forward only", id="torch-kwarg"),
     pytest.param("reference", SplitError("Model.forward returns a Cache. Fix: use_cache=False."), "refused",
