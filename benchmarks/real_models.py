@@ -231,19 +231,19 @@ def classify(runner: str, result: Any) -> Cell:
     if isinstance(result, AdapterError) or not isinstance(result, PipecheckError):
         return Cell("error", "ERROR", f"{type(result).__name__}: {message}")
     if isinstance(result, EngineError) and " did not finish within " in message:
-        return Cell("error", "ERROR (timeout)", one_line(message))
+        return Cell("error", "ERROR (timeout)", one_line(str(result)))
     if isinstance(result, EngineError) and (result.rank is not None or result.cause is not None):
-        return Cell("fail", "FAIL (engine)", one_line(message))  # an engine failed mid-step, for no known reason
+        return Cell("fail", "FAIL (engine)", one_line(str(result)))  # an engine failed mid-step, for no known reason
     # else an engine's refusal of the split, said before any rank started (what torch cannot express or run)
     if isinstance(result, PowerError):
-        return Cell("refused", "refused", f"blind: {one_line(message)}")
-    return Cell("refused", "refused", f"{type(result).__name__}: {one_line(message)}")
+        return Cell("refused", "refused", f"blind: {one_line(str(result))}")
+    return Cell("refused", "refused", f"{type(result).__name__}: {one_line(str(result))}")
 
 
 def one_line(message: str) -> str:
     """A message's first sentence and its fix, if any (pipecheck's messages are the rule, the values, the fix)."""
-    first = message.split(". ")[0].rstrip(".")
-    fix = message.partition("Fix: ")[2]
+    first = first_line(message).split(". ")[0].rstrip(".")
+    fix = first_line(message.partition("Fix: ")[2])
     first = first if len(first) <= 240 else first[:237] + "..."
     return f"{first}. Fix: {fix[:160]}" if fix and fix not in first else first
 
