@@ -44,6 +44,18 @@ class HangsOnRank1(nn.Module):
         return self.b(_sleep_on_rank_1(x))
 
 
+class HangsInStage1(nn.Module):
+    """A model whose second stage (cut at ``b``) never returns on rank 1: with one stage a rank, rank 0
+    waits in a receive for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _sleep_on_rank_1(self.b(self.a(x)))
+
+
 @torch.fx.wrap
 def _sleep_on_rank_1(x: torch.Tensor) -> torch.Tensor:
     import time
