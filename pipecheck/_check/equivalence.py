@@ -104,7 +104,9 @@ def assert_equivalent(
                              n_microbatches=4, runner="reference")
 
     ``world`` runs a distributed runner on that World (default: a shared one of
-    ``world_size`` ranks); ``trace_path`` writes its timeline.
+    ``world_size`` ranks); ``trace_path`` writes its timeline. ``timeout`` (seconds a step) stops a hang:
+    the World's ranks, naming the rank that hung; a runner of your own, which runs in this process,
+    naming the line it was stuck at (None: a World's default; your runner is waited for).
 
     Training (docs/training.md): ``steps`` optimizer steps of ``optimizer(params)`` (a factory; with
     ``clip_grad_norm``), each over ``accumulation_steps`` schedule steps, on ``batches`` (one

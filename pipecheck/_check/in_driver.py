@@ -71,7 +71,7 @@ def call_in_time(call: Callable[[Job], Any], job: Job, runner_name: str, timeout
         _stop(thread)
         raise EngineError(
             f"runner {runner_name!r} did not finish within timeout={timeout} s: it was asked to {doing} in this "
-            f"process and was stuck at:\n{stack}\n"
+            f"process and was stuck at (most recent call last):\n{stack}\n"
             "pipecheck stopped waiting for it. A Python thread cannot be killed: the runner's thread was told to "
             "stop, which ends it as soon as it runs Python again; one blocked in native code (a sleep, a lock, a "
             "socket, a collective) stays behind as a daemon thread, which does not keep the process from exiting. "
@@ -84,11 +84,14 @@ def call_in_time(call: Callable[[Job], Any], job: Job, runner_name: str, timeout
 
 
 def _stack_of(thread: threading.Thread) -> str:
+    """The runner's own frames in ``thread`` (most recent call last), without the thread's start-up."""
     frame = sys._current_frames().get(thread.ident or -1)
     if frame is None:
         return "    (its stack could not be read)"
-    lines = "".join(traceback.format_stack(frame)).rstrip().splitlines()
-    return "\n".join("    " + line for line in lines)
+    frames = traceback.extract_stack(frame)
+    starts = [i for i, summary in enumerate(frames) if summary.filename == __file__ and summary.name == "target"]
+    lines = "".join(traceback.format_list(frames[starts[-1] + 1:] if starts else frames)).rstrip().splitlines()
+    return "\n".join("  " + line for line in lines)
 
 
 def _stop(thread: threading.Thread) -> None:

@@ -3,6 +3,7 @@ owned per user, layouts unpickled only under the World's key, a zombie driver co
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
@@ -274,6 +275,24 @@ def test_an_engine_hang_names_the_rank_that_hung_not_one_waiting_for_it() -> Non
                              n_microbatches=2, runner="torch", timeout=15, tracer="fx")
     assert info.value.rank == 1, str(info.value)
     assert "(rank 1 hung (0 waiting for it), stuck;" in str(info.value).splitlines()[0]
+
+
+def test_a_hang_on_a_reused_split_with_an_autograd_function_is_one_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split reused from an earlier check calls a custom autograd.Function: a hang is one timeout (it was
+    taken for a changed model and the check ran again: two timeouts)."""
+    import _odd_models
+
+    from pipecheck._runners.engine import EngineRunner  # private: counted where every World engine runs its ranks
+
+    runs = []
+    real = EngineRunner.run
+    monkeypatch.setattr(EngineRunner, "run", lambda self, *args: runs.append(1) or real(self, *args))
+    check = functools.partial(pc.assert_equivalent, _odd_models.ReversedHangsOnRank1, (torch.randn(4, 4),),
+                              split_spec={"b": pc.SplitPoint.BEGINNING}, n_microbatches=2, tracer="fx")
+    check(runner="reference")
+    with pytest.raises(pc.EngineError, match=r"did not finish within 5 s \(rank 1 hung"):
+        check(runner="torch", timeout=5)
+    assert runs == [1]
 
 
 def test_the_default_runner_s_timeout_names_the_hung_rank_and_its_stack_first() -> None:
