@@ -282,7 +282,8 @@ def test_a_hang_on_a_reused_split_with_an_autograd_function_is_one_timeout(monke
     taken for a changed model and the check ran again: two timeouts)."""
     import _odd_models
 
-    from pipecheck._runners.engine import EngineRunner  # private: counted where every World engine runs its ranks
+    # private: counted where every World engine runs its ranks
+    from pipecheck._runners.engine import EngineRunner
 
     runs = []
     real = EngineRunner.run
