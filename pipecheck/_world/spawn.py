@@ -30,7 +30,15 @@ from multiprocessing.connection import wait as wait_for
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from pipecheck._world.faults import Fault, exit_status, fault_error, idle_death_error, indent, where
+from pipecheck._world.faults import (
+    Fault,
+    exit_status,
+    fault_error,
+    idle_death_error,
+    indent,
+    timeout_error,
+    where,
+)
 from pipecheck._world.tempdirs import make_tmpdir, sweep_stale_tmpdirs
 from pipecheck._world.worker import (
     Ready,
@@ -383,29 +391,8 @@ class SpawnedRanks:
         assert self.board is not None
         stacks = self.dump_stacks(offsets)
         n = self.properties.world_size
-        states = []
-        for rank in range(n):
-            state = (
-                "still running, " + where(*self.board.read(rank))
-                if rank in pending
-                else "finished"
-            )
-            states.append(f"rank {rank}: {state}")
-        ranks = ", ".join(map(str, sorted(pending)))
-        lines = [
-            f"task {task} did not finish within {timeout} s on rank(s) {ranks} of {n}.",
-            *states,
-            f"{RESTART_NOTE} Look below for where the unfinished ranks are stuck: a send/recv "
-            "whose peer never posts the matching call, or a collective that not every rank "
-            "entered, is the usual cause. If the task is only slow, pass run(..., timeout=SECONDS).",
-            "Python stack of every rank at the timeout:",
-        ]
-        for rank in range(n):
-            lines += [
-                f"--- rank {rank} ({'still running' if rank in pending else 'finished'}) ---",
-                indent(stacks[rank]),
-            ]
-        return RankTimeoutError("\n".join(lines), tuple(sorted(pending)), stacks, timeout)
+        doing = {rank: where(*self.board.read(rank)) for rank in range(n)}
+        return timeout_error(pending, stacks, doing, task, n, timeout, RESTART_NOTE)
 
     def _stack_size(self, rank: int) -> int:
         try:
