@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from pipecheck._world.faults import Fault, fault_error
 from pipecheck._world.spawn import SpawnedRanks
+from pipecheck._world.tempdirs import remove_multiprocessing_tempdir
 from pipecheck._world.worker import (
     RankContext,
     TaskCall,
@@ -405,7 +406,8 @@ atexit.register(_close_live_worlds)
 
 
 def _clean_up_on_sigterm() -> None:
-    """Make SIGTERM to the driver clean up as Ctrl-C does: ranks stopped, temp folders removed.
+    """Make SIGTERM to the driver clean up as Ctrl-C does: ranks stopped, temp folders (the World's,
+    multiprocessing's) removed.
 
     Python's default SIGTERM ends the process without exit hooks; the ranks then notice their
     driver is gone, but the World's folder stays. Installed only from the main thread and only over
@@ -421,4 +423,5 @@ def _terminated(signum: int, frame: Any) -> None:
         if isinstance(world._ranks, SpawnedRanks):
             world._closed = True
             world._ranks.stop(graceful=False)
+    remove_multiprocessing_tempdir()  # no exit hook removes it: the process dies of the signal
     os.kill(os.getpid(), signal.SIGTERM)  # and die of it, as the sender expects (exit status -15)
