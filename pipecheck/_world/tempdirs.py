@@ -2,7 +2,7 @@
 
     tmpdir = make_tmpdir()          # $TMPDIR/pipecheck-world-<driver pid>-<random>, mode 0700
     sweep_stale_tmpdirs()           # this user's folders whose driver was killed (no close() ran)
-    own_multiprocessing_tempdir()   # multiprocessing's pymp-* folder, made one of ours (swept alike)
+    own_multiprocessing_tempdir()   # multiprocessing's pymp-* folder, made one of ours: pcmp-<pid>-*
     disk_problem(tmpdir)            # "TMPDIR=/x has 0 bytes free: ... Fix: ..." or None
 """
 
@@ -19,6 +19,8 @@ from pipecheck._world.worker import process_gone
 from pipecheck.errors import WorldStartError
 
 TMPDIR_PREFIX = "pipecheck-world-"  # then the driver's pid: pipecheck-world-1234-abcd
+MP_PREFIX = "pcmp-"  # then the driver's pid: multiprocessing's folder, short as its socket's path must be
+_SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the final NUL (Linux; macOS: 104)
 # Below this a World may not start: its rendezvous file, its ranks' stack dumps (a few KiB a rank
 # each time a hang is reported) and multiprocessing's socket all live in the temporary folder.
 LOW_DISK_BYTES = 1 << 20
@@ -34,14 +36,18 @@ def make_tmpdir() -> str:
 
 def own_multiprocessing_tempdir() -> None:
     """Give multiprocessing's folder of this process (the forkserver's socket; what its heap spills)
-    a name the sweep knows, ``pipecheck-world-<pid>-mp-*``: left to itself multiprocessing makes
-    ``pymp-*``, removed at a clean exit only, so one piles up in TMPDIR after every SIGTERM or SIGKILL.
-    A folder that multiprocessing has already (the user's own use of it) is left as it is."""
+    a name the sweep knows, ``pcmp-<pid>-*``: left to itself multiprocessing makes ``pymp-*``,
+    removed at a clean exit only, so one piles up in TMPDIR after every SIGTERM or SIGKILL. A folder
+    that multiprocessing has already (the user's own use of it) is left as it is, and so is a
+    TMPDIR so long that the forkserver's socket path would not fit in ours."""
     config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
     if config.get("tempdir") is not None:
         return
+    prefix = f"{MP_PREFIX}{os.getpid()}-"
+    if len(os.path.join(tempfile.gettempdir(), prefix)) + len("12345678/listener-12345678") > _SOCKET_PATH_MAX - 4:
+        return
     try:
-        path = tempfile.mkdtemp(prefix=f"{TMPDIR_PREFIX}{os.getpid()}-mp-")
+        path = tempfile.mkdtemp(prefix=prefix)
     except OSError as error:
         raise WorldStartError(_cannot_write(error)) from error
     config["tempdir"] = path
@@ -55,13 +61,14 @@ def remove_multiprocessing_tempdir() -> None:
     exit hooks); multiprocessing makes another if this process needs one again."""
     config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
     path = config.get("tempdir")
-    if isinstance(path, str) and os.path.basename(path).startswith(f"{TMPDIR_PREFIX}{os.getpid()}-mp-"):
+    if isinstance(path, str) and os.path.basename(path).startswith(f"{MP_PREFIX}{os.getpid()}-"):
         shutil.rmtree(path, ignore_errors=True)
         config.pop("tempdir", None)
 
 
 def sweep_stale_tmpdirs() -> None:
-    """Remove this user's temporary directories of worlds whose driver was killed (no close() ran).
+    """Remove this user's temporary directories of worlds whose driver was killed (no close() ran), and
+    the multiprocessing folders of those drivers.
 
     Another user's directories, and names that only look like ours, are never touched and never
     raise: anyone can create ``pipecheck-world-99999999999999999999-x`` in a shared temp folder.
@@ -72,8 +79,9 @@ def sweep_stale_tmpdirs() -> None:
     except OSError:
         return  # make_tmpdir names what is wrong with the folder
     for name in names:
-        driver = name[len(TMPDIR_PREFIX) :].split("-", 1)[0]
-        if not (name.startswith(TMPDIR_PREFIX) and driver.isdigit() and len(driver) <= 10):
+        prefix = next((prefix for prefix in (TMPDIR_PREFIX, MP_PREFIX) if name.startswith(prefix)), None)
+        driver = name[len(prefix) :].split("-", 1)[0] if prefix else ""
+        if not (driver.isdigit() and len(driver) <= 10):
             continue
         path = os.path.join(root, name)
         try:
