@@ -16,7 +16,10 @@ process one rank of the launched world, and the same task code runs unchanged.
 
 Workers are spawned (never forked: torch is not fork-safe), rendezvous through
 a ``FileStore`` in a private temporary directory (so any number of worlds, e.g.
-one per pytest-xdist worker, never collide) and die with their driver.
+one per pytest-xdist worker, never collide), prove to each other with the World's
+key that every connection reaches its true peer (``handshake.py``: a process that
+took a peer's place on a rank's port is refused and named at start) and die with
+their driver.
 
 Every rank runs ``threads_per_rank`` intra-op threads (default: the machine's
 cores shared among the ranks), set once when it joins; results are bitwise
