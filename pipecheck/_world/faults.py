@@ -16,8 +16,15 @@ import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from pipecheck._world.worker import process_gone
-from pipecheck.errors import RankDiedError, RankError, RankFailedError, RankTimeoutError, WorldError
+from pipecheck._world.worker import PeersUnproven, process_gone
+from pipecheck.errors import (
+    RankDiedError,
+    RankError,
+    RankFailedError,
+    RankTimeoutError,
+    WorldError,
+    WorldStartError,
+)
 
 
 def where(stage: int | None, action: str | None) -> str:
@@ -190,3 +197,33 @@ def timeout_error(pending: set[int], stacks: Mapping[int, str], doing: Mapping[i
             lines += [f"--- rank {rank} ({'still running' if rank in pending else 'finished'}) ---",
                       indent(stacks[rank])]
     return RankTimeoutError("\n".join(lines), tuple(sorted(pending)), dict(stacks), timeout, hung=hung)
+
+
+def start_error(world: str, problems: list[str], unproven: list[PeersUnproven], full: str | None) -> WorldStartError:
+    """Why the ranks of ``world`` (``World(2, device='cpu') (backend gloo, ...)``) did not all join:
+    connections taken by a process outside the World first, then each rank's own problem, then a full
+    disk (which makes the ranks fail in ways of their own) or the usual suspects."""
+    if unproven:
+        lines = [f"Could not start {world}: the connections between its ranks did not all reach this World's "
+                 "ranks. Each rank proves itself to every other with this World's key right after they "
+                 "connect, and these did not:"]
+        for report in sorted(unproven, key=lambda report: report.rank):
+            lines += [f"rank {report.rank}, {problem}" for problem in report.problems]
+        holders: dict[str, list[str]] = {}
+        for address, holder in sorted({held for report in unproven for held in report.foreign}):
+            holders.setdefault(holder, []).append(address)
+        for holder, addresses in holders.items():
+            shown = ", ".join(addresses[:4]) + (f" and {len(addresses) - 4} more" if len(addresses) > 4 else "")
+            lines.append(f"Held by a process outside the World: {len(addresses)} connection(s) to these ranks, "
+                         f"from {shown}: {holder}.")
+        lines.append(
+            "A rank's gloo port takes the first connection that names itself a peer, and any local user can connect "
+            "to 127.0.0.1: another process took a peer's place while the ranks started. No task ran, and every "
+            "rank was stopped. Fix: find that process (`ss -tnp`; the ports are above) and stop it, or run on a "
+            "host (or in a container) where no one else can reach this host's loopback ports; then start the "
+            "World again."
+        )
+        return WorldStartError("\n".join(lines + problems))
+    hint = (f"The disk is full: {full}" if full else
+            "If gloo cannot bind an address, set GLOO_SOCKET_IFNAME; if startup is just slow, raise start_timeout.")
+    return WorldStartError(f"Could not start {world}:\n" + "\n".join(problems) + "\n" + hint)

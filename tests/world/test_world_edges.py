@@ -155,13 +155,15 @@ def _links(secret: bytes) -> Links:
 def test_a_layout_without_the_world_s_tag_is_refused_before_it_is_unpickled() -> None:
     receiver = _links(b"k" * 32)
     channel = next(iter(receiver.channel_ids))
-    for forged in (b"\0" * 32 + pickle.dumps(_Planted()), _links(b"other key").signed(pickle.dumps(_Planted())),
+    tag = 1
+    for forged in (b"\0" * 32 + pickle.dumps(_Planted()), _links(b"other key").signed(pickle.dumps(_Planted()), tag),
+                   _links(b"k" * 32).signed(pickle.dumps(_Planted()), tag + 64),  # another message's tag
                    b"garbage"):
         with pytest.raises(pc.EngineError, match="failed authentication: it was not sent by a rank of this World"):
-            receiver.verified(forged, channel, 0)
+            receiver.verified(forged, channel, 0, tag)
     assert not _Planted.ran
     layout = pickle.dumps(layout_of(torch.zeros(2, 4)))
-    assert receiver.verified(_links(b"k" * 32).signed(layout), channel, 0) == layout
+    assert receiver.verified(_links(b"k" * 32).signed(layout, tag), channel, 0, tag) == layout
 
 
 def test_ranks_of_a_world_share_its_key_and_run_the_pipeline() -> None:
