@@ -94,7 +94,7 @@ def _clean(result: subprocess.CompletedProcess[str], what: str) -> None:
 
 
 def _core_blocks() -> list[Block]:
-    """Blocks that need only pipecheck; those starting `# needs: pip install "pipecheck[X]"` are run by
+    """Blocks that need only pipecheck; those starting `# needs: pip install "torch-pipecheck[X]"` are run by
     test_readme_engines.py when X is installed."""
     return [block for block in _python_blocks() if not block.text.startswith("# needs: ")]
 
