@@ -9,11 +9,16 @@ import importlib.metadata
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
+    import tomli as tomllib
+
+# private: the registry holds the distribution's name and the runners' extras that every fix text uses
 from pipecheck._runners.registry import DISTRIBUTION, OPTIONAL, install_command
 
 ROOT = Path(__file__).resolve().parents[1]
