@@ -237,3 +237,20 @@ def reentrant_regions(module: fx.GraphModule) -> int:
     """How many of a stage's checkpointed regions the model checkpointed with ``use_reentrant=True``."""
     return sum(1 for value in vars(module).values()
                if isinstance(value, CheckpointedRegion) and value.reentrant is not None)
+
+
+def regions_of(module: fx.GraphModule) -> list[CheckpointedRegion]:
+    """A stage's checkpointed regions, in the order the stage calls them."""
+    return [value for value in vars(module).values() if isinstance(value, CheckpointedRegion)]
+
+
+def stage_nodes(module: fx.GraphModule) -> list[fx.Node]:
+    """A stage's nodes and, where it calls a checkpointed region, the region's: what the stage computes,
+    for whoever reads its graph (which modules it calls, which dtypes it names)."""
+    nodes = []
+    for node in module.graph.nodes:
+        nodes.append(node)
+        if node.op == "call_function" and node.target is run_checkpointed:
+            region = getattr(module, str(node.args[0].target))
+            nodes.extend(region.module.graph.nodes)
+    return nodes

@@ -96,6 +96,17 @@ def test_a_reentrant_checkpoint_of_inputs_without_grad_gives_no_gradient_as_eage
     assert pc.assert_equivalent(make, (X,), split_spec=CUTS["after"], n_microbatches=2, runner="reference").ok
 
 
+def test_a_checkpoint_of_an_input_that_requires_grad_passes_its_gradient_back() -> None:
+    """Once refused (eager computed gradients with torch.autograd.grad, which a reentrant checkpoint
+    refuses): the input's gradient is compared too."""
+    x = X.clone().requires_grad_(True)
+    for reentrant in (False, True):
+        for tracer in ("fx", "export"):
+            report = pc.assert_equivalent(functools.partial(Checkpointed, reentrant, first_input=True), (x,),
+                                          split_spec=CUTS["after"], runner="reference", n_microbatches=2, tracer=tracer)
+            assert report.ok and report.row("grad input x").numel == X.numel(), report
+
+
 def test_checkpointed_stages_match_on_the_runtime(pipecheck_world: Any) -> None:
     for reentrant in (False, True):
         report = pc.assert_equivalent(functools.partial(Checkpointed, reentrant), (X,), split_spec=CUTS["inside"],
