@@ -127,7 +127,7 @@ transformers = pytest.importorskip("transformers")
 def llama(reentrant: bool) -> torch.nn.Module:
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, use_cache=False))
+        num_key_value_heads=2))  # use_cache at its default: HF turns it off under checkpointing in train mode
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     return model
 
@@ -142,3 +142,19 @@ def test_hf_gradient_checkpointing_is_recomputed_by_the_stages(pipecheck_world: 
         report = pc.assert_equivalent(functools.partial(llama, reentrant), (ids,), split_spec=spec, n_microbatches=2,
                                       runner=runner, world=world)
         assert report.ok and report.tracer == "export", report
+
+
+@pytest.mark.gpu(n=1)
+def test_checkpointed_hf_model_with_its_cache_on_a_gpu() -> None:
+    """Llama as users configure it (its cache, gradient checkpointing) on CUDA: the reference, and pipecheck's
+    runtime with 2 ranks sharing the GPU (gloo between them, so the World's start proves its peers there too)."""
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    spec = {"model.layers.1": pc.SplitPoint.BEGINNING}
+
+    with pc.World(2, device="cuda") as world:
+        for reentrant in (False, True):
+            for runner in ("reference", "distributed"):
+                report = pc.assert_equivalent(functools.partial(llama, reentrant), (ids,), {"labels": ids},
+                                              loss_fn=pc.losses.model_loss, split_spec=spec, n_microbatches=2,
+                                              device="cuda", runner=runner, world=world)
+                assert report.ok, report
