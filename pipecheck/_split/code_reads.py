@@ -14,6 +14,7 @@ Python's standard library is not walked: only a user's, or a model library's (tr
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from typing import Any
@@ -54,7 +55,9 @@ def code_reads(model: nn.Module) -> tuple[Any, ...]:
                         methods[name].append(function)
     reads: list[tuple[Any, ...]] = []
     seen: set[int] = set()
-    todo = [f for cls in classes if (f := _function_of(getattr(cls, "forward", None))) is not None]
+    # a forward wrapped by its decorator (functools.wraps; pipecheck's own, which leaves a generation cache out
+    # of the outputs) is walked from the function it wraps
+    todo = [inspect.unwrap(f) for cls in classes if (f := _function_of(getattr(cls, "forward", None))) is not None]
     while todo and len(seen) < _LIMIT:
         function = todo.pop()
         if id(function) in seen or not _walked(function):
