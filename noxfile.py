@@ -3,7 +3,8 @@
 
 ``tests`` installs as a new user does, so it gets the newest torch the package index serves;
 ``tests_floor`` the oldest torch pipecheck supports; ``matrix`` one session per supported torch
-minor (``nox -s "matrix(torch='2.10')"``), which writes docs/torch-versions.md.
+minor (``nox -s "matrix(torch='2.10')"``), which rewrites that torch's record in docs/torch-matrix/ and
+then docs/torch-versions.md whole from every record.
 """
 
 import os
@@ -88,10 +89,11 @@ def real_models(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("torch", TESTED_TORCH)
 def matrix(session: nox.Session, torch: str) -> None:
-    """One supported torch: the default suite and the zoo (every torch schedule), recorded as JSON; then
-    docs/torch-versions.md is rewritten from every version measured so far."""
+    """One supported torch: the default suite and the zoo (every torch schedule), recorded in its committed
+    record docs/torch-matrix/<torch>.json; then docs/torch-versions.md is written whole from every record
+    (the other versions' records are kept). ``-- --only zoo`` measures the zoo again and keeps the suite."""
     _install_with_torch(session, torch)
-    session.run("python", "docs/torch_matrix.py", "run", "--out", f".nox/torch-matrix/{torch}.json")
+    session.run("python", "docs/torch_matrix.py", "run", "--out", f"docs/torch-matrix/{torch}.json", *session.posargs)
     session.run("python", "docs/torch_matrix.py", "write")
 
 

@@ -1,19 +1,27 @@
-"""The torch version matrix: measure one torch, then write docs/torch-versions.md from every measurement.
+"""The torch version matrix: measure one torch into its committed record, then write docs/torch-versions.md
+whole from every committed record.
 
     nox -s matrix                                     # every tested torch, one venv each (~8-10 min each)
-    nox -s "matrix(torch='2.10')"                     # one of them
-    python docs/torch_matrix.py run --out .nox/torch-matrix/2.10.json   # inside a venv with that torch
-    python docs/torch_matrix.py write                 # the page, from .nox/torch-matrix/*.json
+    nox -s "matrix(torch='2.10')"                     # one of them: its record, then the whole page
+    python docs/torch_matrix.py run --out docs/torch-matrix/2.10.json    # inside a venv with that torch
+    python docs/torch_matrix.py run --only zoo --out docs/torch-matrix/2.10.json   # the zoo again, the suite kept
+    python docs/torch_matrix.py write                 # the page, from docs/torch-matrix/*.json
+    python docs/torch_matrix.py check                 # exit 1 if the page is not what the records give
 
-``run`` records, for the torch installed: the default test suite (``pytest -n auto``, counts and the
-failing test ids), and ``pipecheck zoo`` through pipecheck's runners and every torch.distributed.
-pipelining schedule (``--json``). ``write`` imports neither torch nor pipecheck.
+Each supported torch has one record, ``docs/torch-matrix/<minor>.json``, committed: a run of one version
+rewrites that version's record and the page keeps every other version's. ``run`` records, for the torch
+installed: the default test suite (``pytest -n auto``, counts and the failing test ids) and ``pipecheck
+zoo`` through pipecheck's runners and every torch.distributed.pipelining schedule (``--json``), each with
+the date it was measured; pytest's and the zoo's own output stay in ``.nox/torch-matrix/``. ``write``
+imports neither torch nor pipecheck, checks every record first, and writes nothing unless all are whole.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -25,35 +33,70 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pipecheck._core.torch_versions import is_tested, minor  # noqa: E402  (torch-free)
 
-RESULTS = ROOT / ".nox" / "torch-matrix"
+DATA = ROOT / "docs" / "torch-matrix"  # one committed record per torch minor
+WORK = ROOT / ".nox" / "torch-matrix"  # pytest's junit file and the zoo's JSON, not committed
 PAGE = ROOT / "docs" / "torch-versions.md"
 # The zoo's columns: pipecheck's two runners, then torch's engine on each of its schedules.
 ZOO_COLUMNS = "reference,distributed,torch:1f1b,torch:zb,torch:interleaved_zb,torch:zbv,torch:dualpipev"
 BEGIN, END = "<!-- torch-matrix:begin -->", "<!-- torch-matrix:end -->"
 # The test that this page lists every supported torch: it passes only once the whole matrix is written.
 PAGE_TEST = "tests/core/test_torch_versions.py::test_every_tested_torch_has_its_column_on_the_measured_page"
+PARTS = ("suite", "zoo")
 
 
-def run(out: Path) -> None:
+class RecordError(Exception):
+    """A record that cannot be part of the page: the page is left as it is."""
+
+
+# --- measuring --------------------------------------------------------------------------------------
+
+
+def run(out: Path, parts: tuple[str, ...] = PARTS) -> None:
     import torch  # the torch of this venv: the one measured
 
-    record: dict[str, object] = {"torch": torch.__version__, "python": platform.python_version(),
-                                 "date": time.strftime("%Y-%m-%d")}
-    junit, zoo_json = out.with_suffix(".junit.xml"), out.with_suffix(".zoo.json")
-    for stale in (out, junit, zoo_json):  # a crashed step must not leave an older run's numbers
-        stale.unlink(missing_ok=True)
+    record: dict = {"torch": torch.__version__, "python": platform.python_version()}
+    if set(parts) != set(PARTS):  # one part measured again: the other one kept from the record
+        kept = _read(out)
+        if (kept["torch"], kept["python"]) != (record["torch"], record["python"]):
+            raise RecordError(f"{out} was measured on torch {kept['torch']}, Python {kept['python']}; this is torch "
+                              f"{record['torch']}, Python {record['python']}: measure both parts (no --only)")
+        record.update({part: kept[part] for part in PARTS if part not in parts})
+    WORK.mkdir(parents=True, exist_ok=True)
+    stem = WORK / minor(torch.__version__)
+    if "suite" in parts:
+        record["suite"] = _suite(stem.with_suffix(".junit.xml"))
+    if "zoo" in parts:
+        record["zoo"] = _zoo(stem.with_suffix(".zoo.json"))
+    _check_record(record, out.name)
+    _write_atomically(out, _dump(record))
+    print(f"torch {record['torch']}: {_suite_cell(record)}; zoo exit {record['zoo']['status']}; wrote {out}")
+
+
+def _transformers() -> str | None:
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+def _suite(junit: Path) -> dict:
+    junit.unlink(missing_ok=True)  # a crashed run must not leave an older run's numbers
     started = time.perf_counter()
     tests = subprocess.run([sys.executable, "-m", "pytest", "-n", "auto", "-q", "-p", "no:cacheprovider",
                             f"--junitxml={junit}", "--deselect", PAGE_TEST], cwd=ROOT, check=False)
-    record["suite"] = {**_junit_counts(junit), "status": tests.returncode,
-                       "seconds": round(time.perf_counter() - started)}
+    return {"date": time.strftime("%Y-%m-%d"), **_junit_counts(junit), "status": tests.returncode,
+            "seconds": round(time.perf_counter() - started)}
+
+
+def _zoo(zoo_json: Path) -> dict:
+    zoo_json.unlink(missing_ok=True)
     started = time.perf_counter()
     zoo = subprocess.run([sys.executable, "-m", "pipecheck", "zoo", "--columns", ZOO_COLUMNS,
                           "--stages-per-rank", "2", "--json", str(zoo_json)], cwd=ROOT, check=False)
     cells = json.loads(zoo_json.read_text())["cells"] if zoo_json.exists() else []  # none: the zoo crashed
-    record["zoo"] = {"status": zoo.returncode, "seconds": round(time.perf_counter() - started), "cells": cells}
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"torch {record['torch']}: {record['suite']}; zoo exit {zoo.returncode}")
+    return {"date": time.strftime("%Y-%m-%d"), "transformers": _transformers(), "status": zoo.returncode,
+            "seconds": round(time.perf_counter() - started), "cells": cells}
 
 
 def _junit_counts(path: Path) -> dict[str, object]:
@@ -71,19 +114,66 @@ def _junit_counts(path: Path) -> dict[str, object]:
     return {**counts, "failures": failures}
 
 
-def write(results: Path, page: Path) -> None:
-    measured = [json.loads(p.read_text()) for p in results.glob("*.json") if not p.name.endswith(".zoo.json")]
-    records = sorted((r for r in measured if is_tested(r["torch"])),  # a version no longer supported: left out
+def _dump(record: dict) -> str:
+    """The record as JSON, one zoo cell a line (a re-measured cell is a one-line diff)."""
+    cells = record["zoo"]["cells"]
+    text = json.dumps({**record, "zoo": {**record["zoo"], "cells": "@CELLS@"}}, indent=1)
+    rows = ",\n".join("  " + json.dumps(cell) for cell in cells)
+    return text.replace('"@CELLS@"', f"[\n{rows}\n ]" if cells else "[]") + "\n"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+# --- the page ---------------------------------------------------------------------------------------
+
+
+def _read(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise RecordError(f"{path} cannot be read as a record: {err}") from None
+    _check_record(record, path.name)
+    return record
+
+
+def _check_record(record: dict, name: str) -> None:
+    missing = [key for key in ("torch", "python", "suite", "zoo") if key not in record]
+    missing += [f"suite.{key}" for key in ("date", "passed", "failed", "skipped", "failures", "seconds")
+                if key not in record.get("suite", {})]
+    missing += [f"zoo.{key}" for key in ("date", "status", "cells") if key not in record.get("zoo", {})]
+    if missing:
+        raise RecordError(f"{name} lacks {', '.join(missing)}; measure it again with `nox -s matrix`")
+    if name != f"{minor(record['torch'])}.json":
+        raise RecordError(f"{name} holds torch {record['torch']}'s record; it belongs in {minor(record['torch'])}.json")
+
+
+def load(data: Path) -> list[dict]:
+    """Every supported torch's record, oldest first (a version no longer supported is left out)."""
+    records = [_read(path) for path in sorted(data.glob("*.json"))]
+    records = sorted((r for r in records if is_tested(r["torch"])),
                      key=lambda r: tuple(int(n) for n in minor(r["torch"]).split(".")))
     if not records:
-        sys.exit(f"no measurements in {results}; run `nox -s matrix` first")
+        raise RecordError(f"no records in {data}; run `nox -s matrix` first")
+    return records
+
+
+def render(records: list[dict], page: str) -> str:
+    """``page`` with its measured block made from ``records``, whole; the rest of the page as it is."""
+    if BEGIN not in page or END not in page:
+        raise RecordError(f"the page has no {BEGIN} ... {END} block to write into; add the two markers")
     body = "\n\n".join([_suite_table(records), _conformance_table(records), _failures(records)])
-    text = page.read_text() if page.exists() else f"{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        sys.exit(f"{page} has no {BEGIN} ... {END} block to write into; add the two markers")
-    head, rest = text.split(BEGIN, 1)
-    page.write_text(f"{head}{BEGIN}\n{body.strip()}\n{END}{rest.split(END, 1)[1]}")
-    print(f"wrote {page} from {len(records)} torch versions")
+    head, rest = page.split(BEGIN, 1)
+    return f"{head}{BEGIN}\n{body.strip()}\n{END}{rest.split(END, 1)[1]}"
+
+
+def write(data: Path, page: Path) -> None:
+    text = render(load(data), page.read_text() if page.exists() else f"{BEGIN}\n{END}\n")
+    _write_atomically(page, text)
+    print(f"wrote {page} from {len(load(data))} torch versions")
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
@@ -97,19 +187,29 @@ def _pipecheck_cells(record: dict) -> str:
     return f"{passed}/{len(own)}"
 
 
+def _suite_cell(record: dict) -> str:
+    suite = record["suite"]
+    return f"{suite['passed']} passed, {suite['failed']} failed, {suite['skipped']} skipped"
+
+
+def _measured(record: dict) -> str:
+    suite, zoo = record["suite"]["date"], record["zoo"]["date"]
+    return suite if suite == zoo else f"suite {suite}, zoo {zoo}"
+
+
 def _suite_table(records: list[dict]) -> str:
-    rows = [[r["torch"], r["python"], r["date"],
-             f"{r['suite']['passed']} passed, {r['suite']['failed']} failed, {r['suite']['skipped']} skipped",
+    rows = [[r["torch"], r["python"], r["zoo"].get("transformers") or "not recorded", _measured(r), _suite_cell(r),
              f"{r['suite']['seconds']} s", _pipecheck_cells(r), str(r["zoo"]["status"])] for r in records]
     return ("### The test suite and the zoo, per torch\n\n"
             "`pytest -n auto` (the default suite; the engine extras are not installed, so their tests skip) and "
             "`pipecheck zoo` (its reference and distributed cells must all pass; exit 0 means they did and no "
-            "pipecheck adapter broke).\n\n"
-            + _table(["torch", "python", "measured", "test suite", "suite time", "zoo: pipecheck's runners pass",
-                      "zoo exit"], rows))
+            "pipecheck adapter broke), each on the date it was measured; the suite grows between measurements. "
+            "Written from `docs/torch-matrix/<torch>.json`.\n\n"
+            + _table(["torch", "python", "transformers (zoo)", "measured", "test suite", "suite time",
+                      "zoo: pipecheck's runners pass", "zoo exit"], rows))
 
 
-# What a torch cell says, in a few words (the JSON files keep torch's whole message). A skip connection
+# What a torch cell says, in a few words (the records keep torch's whole message). A skip connection
 # fails on two ranks at once with two messages, and the cell shows whichever reached the driver first:
 # both are one finding.
 LABELS = (
@@ -152,9 +252,10 @@ def _conformance_table(records: list[dict]) -> str:
             "`alias_reuse`, `titan_lm`, `hf_gpt2`, `hf_bert`: weights used by two stages; `skip_one`, "
             "`long_skip`, `encoder_decoder`: skip connections; `kwarg_last`, `kwarg_default`: kwargs for a "
             "later stage; `dict_outputs`, `hf_t5`: outputs of an earlier stage; `buffers`, `running_stats`: "
-            "buffers; `hf_llama`, `hf_mixtral`: a rotary embedding computed under no_grad. FAIL is a wrong "
-            "answer torch gives silently; ERROR is torch failing to run; the JSON files under "
-            "`.nox/torch-matrix/` keep each cell's whole first line (`message`).\n\n"
+            "buffers; `hf_llama`, `hf_mixtral`: a rotary embedding computed under no_grad up to transformers "
+            "5.23 (the transformers column above says which one each zoo ran with). FAIL is a wrong "
+            "answer torch gives silently; ERROR is torch failing to run; the records keep each cell's whole "
+            "first line (`message`) where the zoo wrote one.\n\n"
             + _table(["model", "schedules", *(r["torch"] for r in records)], rows))
 
 
@@ -170,17 +271,24 @@ def _failures(records: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    measure = sub.add_parser("run", help="measure the installed torch")
-    measure.add_argument("--out", type=Path, required=True, help="the JSON file to write")
-    page = sub.add_parser("write", help=f"write {PAGE.relative_to(ROOT)} from every measurement")
-    page.add_argument("--results", type=Path, default=RESULTS)
-    page.add_argument("--page", type=Path, default=PAGE)
+    measure = sub.add_parser("run", help="measure the installed torch into its record")
+    measure.add_argument("--out", type=Path, required=True, help="the record to write, docs/torch-matrix/<minor>.json")
+    measure.add_argument("--only", choices=PARTS, help="measure this part again and keep the record's other part")
+    for name, what in (("write", "write"), ("check", "check")):
+        page = sub.add_parser(name, help=f"{what} {PAGE.relative_to(ROOT)} from every record")
+        page.add_argument("--data", type=Path, default=DATA)
+        page.add_argument("--page", type=Path, default=PAGE)
     args = parser.parse_args()
-    if args.command == "run":
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        run(args.out)
-    else:
-        write(args.results, args.page)
+    try:
+        if args.command == "run":
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            run(args.out, (args.only,) if args.only else PARTS)
+        elif args.command == "write":
+            write(args.data, args.page)
+        elif render(load(args.data), args.page.read_text()) != args.page.read_text():
+            sys.exit(f"{args.page} is not what {args.data} gives: run `python docs/torch_matrix.py write`")
+    except RecordError as err:
+        sys.exit(f"torch_matrix: {err}")
 
 
 if __name__ == "__main__":

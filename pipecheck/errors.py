@@ -250,7 +250,8 @@ class RankFailedError(WorldError):
 
 
 class RankTimeoutError(WorldError):
-    """Some ranks did not finish a task in time; ``stacks`` maps every rank to its Python stack."""
+    """Some ranks did not finish a task in time; ``stacks`` maps every rank to its Python stack;
+    ``hung`` is the rank the others wait for (None: not one rank stands out)."""
 
     def __init__(
         self,
@@ -258,11 +259,14 @@ class RankTimeoutError(WorldError):
         ranks: tuple[int, ...] = (),
         stacks: dict[int, str] | None = None,
         timeout: float = 0.0,
+        *,
+        hung: int | None = None,
     ) -> None:
         super().__init__(message)
         self.ranks = ranks
         self.stacks = dict(stacks or {})
         self.timeout = timeout
+        self.hung = hung
 
 
 class RankDiedError(WorldError):

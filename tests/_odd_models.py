@@ -44,6 +44,37 @@ class HangsOnRank1(nn.Module):
         return self.b(_sleep_on_rank_1(x))
 
 
+class Reverse(torch.autograd.Function):
+    """A gradient reversal: a custom autograd.Function, called in the graph by its class."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return -grad
+
+
+class ReversedHangsOnRank1(HangsOnRank1):
+    """HangsOnRank1 with a custom autograd.Function in its first stage."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_sleep_on_rank_1(Reverse.apply(self.a(x))))
+
+
+class HangsInStage1(nn.Module):
+    """A model whose second stage (cut at ``b``) never returns on rank 1: with one stage a rank, rank 0
+    waits in a receive for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _sleep_on_rank_1(self.b(self.a(x)))
+
+
 @torch.fx.wrap
 def _sleep_on_rank_1(x: torch.Tensor) -> torch.Tensor:
     import time

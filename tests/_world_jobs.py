@@ -125,3 +125,49 @@ def split_without_tracing(ctx: RankContext, spec: Any) -> tuple[str, list[str]]:
     finally:
         pipe_module.trace = traced
     return str(pipe), [stage.module.code for stage in pipe.stages]
+
+
+def prove_peers_with(ctx: RankContext, wrong_key_on: int, silent: int | None = None) -> tuple[str, ...]:
+    """The start's handshake run again, as if rank ``wrong_key_on`` were a process without the World's
+    key (and rank ``silent`` one that never answers): what each rank then reports."""
+    from pipecheck._world.handshake import prove_peers
+
+    if ctx.rank == silent:
+        return ()
+    key = b"not the World's key" if ctx.rank == wrong_key_on else ctx.secret
+    return prove_peers(ctx.rank, ctx.world_size, key, timeout_s=2 if silent is not None else 30)
+
+
+def receive_forged_layout_size(ctx: RankContext, size: int, keyed: bool, key: bytes | None = None) -> str:
+    """Rank 0 sends a layout's size header by hand (signed with the World's key or not, or with ``key``);
+    rank 1 receives it as a layout: what rank 1 says."""
+    import torch.nn as nn
+
+    import pipecheck as pc
+    from pipecheck._runtime.comm import Links
+
+    pipe = pc.split(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), (torch.randn(2, 4),),
+                    split_spec={"1": pc.SplitPoint.BEGINNING})
+    cpu = torch.device("cpu")
+    links = Links(pipe, (0, 1), cpu, cpu, ctx.secret if key is None else key)
+    channel = next(iter(links.channel_ids))
+    tag = links._tag(channel, 0, False, 0)
+    if ctx.rank == 0:
+        body = size.to_bytes(8, "little", signed=True)
+        header = links.signed(body, tag) if keyed else bytes(32) + body
+        dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), 1, tag=tag)
+        return "sent"
+    try:
+        links.post_value(*channel, 0)
+    except pc.EngineError as error:
+        return str(error)
+    return "accepted"
+
+
+def hang_without_writable_stacks(ctx: RankContext) -> None:
+    """Hang with faulthandler's stack dumps going to /dev/full, as onto a full disk (ENOSPC)."""
+    import faulthandler
+
+    full = open("/dev/full", "w")  # noqa: SIM115 - faulthandler writes to it until the rank is killed
+    faulthandler.register(signal.SIGUSR1, file=full, all_threads=True)
+    sleep_forever()

@@ -390,29 +390,6 @@ def test_the_batch_size_hint_is_given_only_when_the_whole_batch_runs(model: Any,
     assert expected in str(info.value) and not_expected not in str(info.value), str(info.value)
 
 
-class Checkpointed(nn.Module):
-    def __init__(self, reentrant: bool) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-        self.reentrant = reentrant
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        h = checkpoint(self.a, x, use_reentrant=self.reentrant)
-        pc.pipe_split()
-        return self.b(h)
-
-
-def test_reentrant_checkpointing_is_an_input_error_naming_use_reentrant_false() -> None:
-    x = torch.randn(8, 4, requires_grad=True)
-    with pytest.raises(pc.InputError, match=r"use_reentrant=True.*Fix: checkpoint\(\.\.\., use_reentrant=False\)"):
-        pc.assert_equivalent(Checkpointed(True), (x,), runner="reference", n_microbatches=2)
-    for tracer in ("fx", "export"):
-        report = pc.assert_equivalent(Checkpointed(False), (x,), runner="reference", n_microbatches=2, tracer=tracer)
-        assert report.num_stages == 2
-
-
 def test_every_adapter_module_named_for_adapter_errors_exists() -> None:
     """A failure is pipecheck's adapter's (AdapterError) when raised in one of these files: a file
     moved or renamed without this list would turn adapter bugs into findings about the engine."""

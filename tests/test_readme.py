@@ -24,6 +24,9 @@ import pytest
 # private: the command line's exit-status table, which the docs must show
 from pipecheck._cli.main import EXIT_STATUSES
 
+# private: the torch versions the nox matrix session is parametrized with, which the docs name
+from pipecheck._core.torch_versions import TESTED_TORCH
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 # What a clean run never prints: warnings (torch's own included), leaked multiprocessing objects, tracebacks.
@@ -94,7 +97,7 @@ def _clean(result: subprocess.CompletedProcess[str], what: str) -> None:
 
 
 def _core_blocks() -> list[Block]:
-    """Blocks that need only pipecheck; those starting `# needs: pip install "pipecheck[X]"` are run by
+    """Blocks that need only pipecheck; those starting `# needs: pip install "torch-pipecheck[X]"` are run by
     test_readme_engines.py when X is installed."""
     return [block for block in _python_blocks() if not block.text.startswith("# needs: ")]
 
@@ -120,6 +123,57 @@ def test_every_python_block_runs_as_written(block: Block, tmp_path: Path) -> Non
     promised = [line.strip()[2:] for line in block.text.splitlines() if line.strip().startswith("# pipecheck: ")]
     for line in promised:
         assert line in result.stdout, f"{block.id} promises {line!r}; it printed:\n{result.stdout}"
+    shown = _shown_output(block)
+    if shown is not None:
+        assert_prints(shown, result.stdout, block.id)
+
+
+def _shown_output(block: Block) -> list[str] | None:
+    """The lines its page shows the block printing: a fenced block after "`python <file>` prints ...:"."""
+    found = re.search(rf"`python {re.escape(block.file_name)}` prints[^\n]*:\n\n```\n(.*?)```",
+                      _pages()[block.page], flags=re.S)
+    return found.group(1).splitlines() if found else None
+
+
+# A number a report prints; after "atol " it is a tolerance made from eager's own float32 rounding error,
+# which another CPU's kernels (another summation order) move: there within a factor of 4, elsewhere exact.
+NUMBER = re.compile(r"(atol )?(\d+\.\d+e[+-]\d+)")
+
+
+def _same_line(shown: str, printed: str) -> bool:
+    if NUMBER.sub("#", shown) != NUMBER.sub("#", printed):
+        return False
+    pairs = zip(NUMBER.finditer(shown), NUMBER.finditer(printed))
+    return all(a.group(2) == b.group(2) or (a.group(1) and 0.25 <= float(a.group(2)) / float(b.group(2)) <= 4)
+               for a, b in pairs)
+
+
+def assert_prints(shown: list[str], stdout: str, what: str) -> None:
+    """Every line the page shows (``...``: lines left out) is printed, in that order, numbers included."""
+    printed = stdout.splitlines()
+    at = 0
+    for line in (line for line in shown if line.strip() != "..."):
+        at = next((i for i in range(at, len(printed)) if _same_line(line, printed[i])), -1)
+        assert at >= 0, f"{what}: the page shows {line!r}, which it no longer prints; it printed:\n{stdout}"
+        at += 1
+
+
+@pytest.mark.parametrize("shown,printed,same", [
+    ("max abs error 5.68e-01 (2.1e+00)", "max abs error 5.68e-01 (2.1e+00)", True),
+    ("max abs error 3.59e-01 (1.8e+00)", "max abs error 5.68e-01 (2.1e+00)", False),
+    ("auto: atol 9.8e-08 rtol 2.4e-07  (6, 1)", "auto: atol 1.0e-07 rtol 2.4e-07  (6, 1)", True),
+    ("auto: atol 9.8e-08 rtol 2.4e-07  (6, 1)", "auto: atol 1.0e-07 rtol 2.4e-07  (5, 3)", False),
+    ("auto: atol 9.8e-08 rtol 2.4e-07", "auto: atol 1.0e-06 rtol 2.4e-07", False),
+])
+def test_a_shown_line_matches_the_printed_one_numbers_included(shown: str, printed: str, same: bool) -> None:
+    assert _same_line(shown, printed) is same
+
+
+def test_the_pages_that_show_output_say_which_block_prints_it() -> None:
+    shown = [block.id for block in _core_blocks() if _shown_output(block) is not None]
+    assert "docs/reading-a-failure.md:off_by_one.py" in shown
+    printing = sum(len(re.findall(r"`python \w+\.py` prints[^\n]*:\n\n```\n", text)) for text in _pages().values())
+    assert len(shown) == printing, "a page shows the output of a block that is not on it"
 
 
 def test_the_pages_blocks_are_complete_programs() -> None:
@@ -198,3 +252,12 @@ def test_every_relative_link_between_the_pages_resolves() -> None:
             elif anchor and anchor not in _anchors(file.read_text()):
                 broken.append(f"{page}: {target} (no such heading)")
     assert broken == []
+
+
+def test_every_nox_session_the_pages_name_is_in_the_noxfile() -> None:
+    sessions = set(re.findall(r"@nox\.session(?:\(.*\))?\n(?:@nox\.parametrize\(.*\)\n)?def (\w+)\(",
+                              (ROOT / "noxfile.py").read_text()))
+    named = {name for text in _pages().values() for name in re.findall(r"nox -s \"?(\w+)", text)}
+    assert {"tests", "matrix"} <= named and named <= sessions, f"no such nox session: {named - sessions}"
+    parametrized = {value for text in _pages().values() for value in re.findall(r"matrix\(torch='([\d.]+)'\)", text)}
+    assert parametrized <= set(TESTED_TORCH)

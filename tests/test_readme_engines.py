@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NEEDS = re.compile(r'^# needs: pip install "pipecheck\[(\w+)\]"')
+NEEDS = re.compile(r'^# needs: pip install "torch-pipecheck\[(\w+)\]"')
 ENGINE_LOG = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|WARNING)\] ")  # DeepSpeed's logger prints here
 
 
 def _engine_blocks() -> list[tuple[str, str, str]]:
-    """(page, extra, block) for every `# needs: pip install "pipecheck[X]"` block of README.md and docs/*.md."""
+    """(page, extra, block) for every `# needs: pip install "torch-pipecheck[X]"` block of README.md and docs/*.md."""
     found = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S):
@@ -45,7 +45,7 @@ def test_the_docs_have_an_example_per_engine() -> None:
 @pytest.mark.parametrize("extra,block", [pytest.param(e, b, id=f"{page}:{e}") for page, e, b in _engine_blocks()])
 def test_an_engine_example_runs_and_prints_what_it_says(extra: str, block: str, tmp_path: Path) -> None:
     if importlib.util.find_spec(extra) is None:
-        pytest.skip(f'needs pip install "pipecheck[{extra}]"')
+        pytest.skip(f'needs pip install "torch-pipecheck[{extra}]"')
     script = tmp_path / f"readme_{extra}.py"
     script.write_text(block)
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)

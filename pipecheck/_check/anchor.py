@@ -55,6 +55,7 @@ from pipecheck._core.precision import PLAIN, Precision
 from pipecheck._core.result import StepResult
 from pipecheck._runners.job import Job
 from pipecheck._runtime.reference import Accumulation, DetachExecutor
+from pipecheck._split.checkpoints import regions_of
 from pipecheck._split.inputs import Inputs, cast_inputs, cast_module
 from pipecheck._split.model_factory import seeded
 from pipecheck._split.pipe import Pipe
@@ -356,7 +357,8 @@ def _in_float64(pipe: Pipe) -> Pipe:
 
     for stage in pipe.stages:
         cast_module(stage.module, torch.float64)
-        for module in stage.module.modules():
+        graphs = [*stage.module.modules(), *(region.module for region in regions_of(stage.module))]
+        for module in graphs:
             if isinstance(module, torch.fx.GraphModule):
                 for node in module.graph.nodes:
                     node.args, node.kwargs = pytree.tree_map(widen, (node.args, node.kwargs))

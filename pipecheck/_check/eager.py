@@ -173,18 +173,45 @@ def _by_name(params: list[tuple[str, torch.Tensor]], named_inputs: list[tuple[st
 def _gradients(model: nn.Module, loss: torch.Tensor, wrt: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
     try:
         with torch_internal_warnings_ignored():  # cuBLAS's context warning from autograd's CUDA thread
+            if _reentrant_checkpoint_in(loss):
+                return _gradients_by_backward(loss, wrt)
             return torch.autograd.grad(loss, wrt, allow_unused=True)
     except PipecheckError:
         raise
     except Exception as err:
-        first = first_line(err)
-        if "use_reentrant=True" in str(err):
-            raise InputError(f"{type(model).__name__} uses torch.utils.checkpoint(..., use_reentrant=True), whose "
-                             "backward runs only under loss.backward(); a pipeline stage's backward (and the "
-                             "eager step pipecheck compares against) computes gradients with torch.autograd.grad. "
-                             "Fix: checkpoint(..., use_reentrant=False), torch's recommended mode.") from None
-        raise InputError(f"the eager model's backward failed ({type(err).__name__}: {first}). Fix: check that "
-                         "loss.backward() runs on this model eagerly.") from err
+        raise InputError(f"the eager model's backward failed ({type(err).__name__}: {first_line(err)}). Fix: check "
+                         "that loss.backward() runs on this model eagerly.") from err
+
+
+def _reentrant_checkpoint_in(loss: torch.Tensor) -> bool:
+    """Whether ``loss``'s graph holds a ``torch.utils.checkpoint(..., use_reentrant=True)``, whose backward
+    runs only under ``loss.backward()`` ("Checkpointing is not compatible with .grad()")."""
+    seen, pending = set(), [loss.grad_fn]
+    while pending:
+        function = pending.pop()
+        if function is None or function in seen:
+            continue
+        seen.add(function)
+        if type(function).__name__ == "CheckpointFunctionBackward":
+            return True
+        pending.extend(next_function for next_function, _ in function.next_functions)
+    return False
+
+
+def _gradients_by_backward(loss: torch.Tensor, wrt: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(loss, wrt)`` through ``loss.backward()``: each tensor's ``.grad`` read, then put
+    back as it was (the tensors are pipecheck's own copies of the parameters and inputs)."""
+    saved = [tensor.grad for tensor in wrt]
+    for tensor in wrt:
+        tensor.grad = None
+        if not tensor.is_leaf:
+            tensor.retain_grad()
+    try:
+        loss.backward()
+        return tuple(tensor.grad for tensor in wrt)
+    finally:
+        for tensor, grad in zip(wrt, saved):
+            tensor.grad = grad
 
 
 def _call(model: nn.Module, call: inspect.BoundArguments, n_microbatches: int,

@@ -28,6 +28,7 @@ from pipecheck._check.anchor import eager_anchor, low_precision
 from pipecheck._check.compare import compare_all
 from pipecheck._check.determinism import check_deterministic, refuse_random
 from pipecheck._check.eager import buffers_kept, check_finite, eager_step, result_dtype
+from pipecheck._check.in_driver import in_driver
 from pipecheck._check.localise import ReferenceByMicrobatch, locate, not_located
 from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_tolerance
 from pipecheck._check.report import Report, percent
@@ -54,6 +55,8 @@ from pipecheck.errors import (
     PipecheckError,
     PowerError,
     RankFailedError,
+    RankTimeoutError,
+    SplitError,
     TraceError,
     first_line,
     plural,
@@ -96,7 +99,9 @@ def assert_equivalent(
                              n_microbatches=4, runner="reference")
 
     ``world`` runs a distributed runner on that World (default: a shared one of
-    ``world_size`` ranks); ``trace_path`` writes its timeline.
+    ``world_size`` ranks); ``trace_path`` writes its timeline. ``timeout`` (seconds a step) stops a hang:
+    the World's ranks, naming the rank that hung; a runner of your own, which runs in this process,
+    naming the line it was stuck at (None: a World's default; your runner is waited for).
 
     Training (docs/training.md): ``steps`` optimizer steps of ``optimizer(params)`` (a factory; with
     ``clip_grad_norm``), each over ``accumulation_steps`` schedule steps, on ``batches`` (one
@@ -124,6 +129,8 @@ def assert_equivalent(
     n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout = map(
         plain, (n_microbatches, world_size, stages_per_rank, seed, check_grads, timeout))
     runner_name, run = resolve_runner(runner)
+    if runner_named(runner) is None:  # a user's runner runs in this process: the timeout stops it there
+        run = in_driver(run, runner_name, timeout)
     _refuse_untravelled(runner, training)
     if not training.plain or given_batches:
         refuse_one_call(run, runner_name, training)  # before any work
@@ -136,12 +143,40 @@ def assert_equivalent(
         hits: list[Hit] = []
         try:
             return check(hits)
-        except (EquivalenceError, EngineError, RankFailedError):
-            # What a split reused from an earlier check whose graph no longer holds (a helper method or a
-            # global forward reads changed) makes a runner do: the check runs again on a fresh trace.
-            if not hits or hits[0].still_traced_the_same() is not False:
-                raise
-        return check(None)
+        except (EquivalenceError, EngineError, RankFailedError) as err:
+            # A split reused from an earlier check whose graph no longer holds (what forward reads changed
+            # where the reuse key cannot see it) fails any runner. The runner is never run again: a failure
+            # on a graph that no longer holds is named as such, and the next check traces afresh.
+            if not _timed_out(err):
+                _refuse_stale(hits, model, f"{type(err).__name__}: {first_line(err)[:200]}", err)
+            raise
+
+
+def _timed_out(err: BaseException) -> bool:
+    """Whether ``err`` is, or was caused by, a timeout (a World's, or a runner's in this process)."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (RankTimeoutError, TimeoutError)):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _refuse_stale(hits: list[Hit], model: Any, failure: str, cause: BaseException | None = None) -> None:
+    """A SplitError where the failing check ran on a split reused from an earlier check whose graph the model
+    no longer traces to (traced again once, here)."""
+    if not hits or hits[0].still_traced_the_same() is not False:
+        return
+    name = getattr(model, "__qualname__", None) or type(model).__name__
+    raise SplitError(
+        f"this check of {name} cut the model along the graph an earlier check of it in this process traced, and "
+        f"failed ({failure}); traced again now, the model gives another graph: something its forward reads "
+        "changed since that check where the reuse could not see it (a mutable global, an attribute of another "
+        "module or object). The runner ran on the earlier graph, so this failure says nothing about the "
+        "pipeline, and it is not run a second time. Fix: run the check again: the earlier graph is forgotten, "
+        "and the next check traces the model afresh.") from cause
 
 
 # One check at a time per process: a check seeds and restores torch's global RNG around its eager
@@ -155,8 +190,8 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
            world_size: int | None, runner_name: str, run: Runner, device: str | None, precision: Precision,
            tolerance: ToleranceLike, check_grads: bool, seed: int, tracer: str, stages_per_rank: int,
            timeout: float | None, world: World | None, trace_path: str | None, training: Training,
-           given_batches: tuple[Batch, ...], hits: list[Hit] | None) -> Report:
-    """One check; ``hits``: where a split reused from an earlier check is noted (None: trace afresh)."""
+           given_batches: tuple[Batch, ...], hits: list[Hit]) -> Report:
+    """One check; ``hits``: where a split reused from an earlier check is noted."""
     timings: dict[str, float] = {}
     started = time.perf_counter()
     dtype = precision.dtype
@@ -243,6 +278,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     if not report.ok:
         # a factory that builds other weights on each call: no runner can match, whatever the table says
         refuse_unreproducible(factory, f"{len(report.failures)} of {len(report.rows)} tensors failed")
+        _refuse_stale(hits, model, f"{len(report.failures)} of {len(report.rows)} tensors failed")  # before locating
         with clock("locate_s"):
             try:
                 report.first_divergence, report.located = locate(

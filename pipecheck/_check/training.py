@@ -49,6 +49,7 @@ from pipecheck._runtime.randomness import (
     restart_calls,
     schedule_step,
 )
+from pipecheck._split.checkpoints import stage_nodes
 from pipecheck._split.inputs import Inputs, cast_module
 from pipecheck._split.model_factory import seeded
 from pipecheck._split.pipe import Pipe
@@ -89,7 +90,7 @@ def with_dropout(training: Training, model: torch.nn.Module, pipe: Pipe, run: An
                          "model.eval().")
     stages: dict[str, set[int]] = {}
     for stage in pipe.stages:
-        for node in stage.module.graph.nodes:
+        for node in stage_nodes(stage.module):  # a checkpointed region's calls are the stage's
             if node.op == "call_module" and node.target in dropout:
                 stages.setdefault(str(node.target), set()).add(stage.index)
     problems = [f"{fqn} is called on stages {sorted(found)}" for fqn, found in stages.items() if len(found) > 1]

@@ -30,6 +30,7 @@ from pipecheck._cli.options import (
     load_object,
     loss_options,
     runner_option,
+    runners_help,
     schedule_option,
     seconds,
     split_point,
@@ -41,6 +42,7 @@ from pipecheck.errors import (
     EquivalenceError,
     PipecheckError,
     PowerError,
+    RankError,
     TaskPickleError,
     UsageError,
     WorldError,
@@ -82,14 +84,40 @@ def classify(error: BaseException) -> tuple[int, str]:
 
 
 def error_message(error: BaseException) -> str:
-    """``pipecheck: <kind>: <what>. Fix: <how>``: one message for every error."""
+    """``pipecheck: <kind>: <what>. Fix: <how>``: one message for every error; a rank's failure in
+    one line (its traceback is what ``--traceback`` prints)."""
     status, kind = classify(error)
-    if status == 4:
+    if status == 4 and not isinstance(error, AdapterError):
         first = first_line(error)
         return (f"pipecheck: internal error: {type(error).__name__}{': ' + first if first else ''}. This is a "
                 "bug in pipecheck, not in your model. Fix: rerun the command with --traceback and report "
                 "it, with that output, on pipecheck's issue tracker.")
-    return f"pipecheck: {kind}: {str(error).strip()}"
+    text = str(error).strip()
+    if status in (3, 4):
+        text = _without_rank_traceback(error, text)
+    return f"pipecheck: {kind}: {text}"
+
+
+def _without_rank_traceback(error: BaseException, text: str) -> str:
+    """An engine's or a rank's failure as one line: what failed, on which rank and stage, with which
+    settings; the failing rank's traceback after it (``Traceback on rank N:``) is left to
+    ``--traceback``, whose Python traceback ends in the whole message. A message with no rank's
+    traceback (a hang's stacks, a World that could not start) is kept whole."""
+    rank_error = getattr(error, "cause", None) or getattr(error, "error", None)
+    rank = rank_error.rank if isinstance(rank_error, RankError) else None
+    lines = [line.strip() for line in text.splitlines()]
+    marker = f"Traceback on rank {rank}:"
+    if rank is None or marker not in lines:
+        if len(lines) > 1 or "Fix:" in text:
+            return text
+        return f"{_sentence(text)} Fix: rerun with --traceback to see where it failed."
+    head = " ".join(_sentence(line) for line in lines[:lines.index(marker)] if line)
+    see = f"rerun with --traceback to see rank {rank}'s traceback"
+    return f"{head} ({see}.)" if "Fix:" in head else f"{head} Fix: {see}, where it failed."
+
+
+def _sentence(line: str) -> str:
+    return line if line.endswith((".", "!", "?")) else f"{line}."
 
 
 class RefusingSingleStage:
@@ -203,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     zoo = sub.add_parser("zoo", formatter_class=_HelpFormatter, epilog=_epilog(),
                          help="run every zoo model through every runner and print a table",
                          description="Run every zoo model through every runner and print a table.")
-    zoo.add_argument("--runners", metavar="NAME,...", help=f"comma-separated runners, each a name or "
-                     f"package.module:function (default: {','.join(RUNNERS)})")
+    zoo.add_argument("--runners", metavar="NAME,...", help=f"comma-separated runners, each your own as "
+                     f"package.module:function or a built-in one: {runners_help()} (default: {','.join(RUNNERS)})")
     zoo.add_argument("--models", metavar="NAME,...", help="comma-separated zoo model names or tags, e.g. hf "
                      "(default: all; the HuggingFace models when transformers is installed)")
     zoo.add_argument("--markdown", action="store_true", help="print a markdown table")
@@ -231,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", formatter_class=_HelpFormatter, epilog=_epilog(),
                            help="check one model: package.module:factory",
                            description="Check one model against its eager run.")
-    check.add_argument("model", help="zero-argument factory returning the nn.Module, as package.module:function")
+    check.add_argument("model", help="zero-argument factory returning the nn.Module, as package.module:function "
+                       "or path/to/file.py:function")
     given = check.add_mutually_exclusive_group(required=True)
     given.add_argument("--inputs", metavar="MODULE:FUNCTION",
                        help="function returning (args, kwargs), a tuple of args, or one tensor")
@@ -244,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--allow-single-stage", action="store_true",
                        help="check a model cut into fewer than 2 stages instead of refusing it")
     check.add_argument("--runner", default="distributed", metavar="NAME|MODULE:FUNCTION",
-                       help=f"{', '.join(RUNNERS)}, or your own Runner as package.module:function")
+                       help=f"a built-in runner: {runners_help()}; or your own Runner as package.module:function")
     check.add_argument("--tracer", default="auto", choices=("auto", "fx", "export"),
                        help="how the model is traced to cut it (auto: fx, or export where fx cannot trace)")
     check.add_argument("--stages-per-rank", type=at_least(1), default=1, metavar="N",

@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pipecheck._runners import registry
@@ -21,18 +22,31 @@ from pipecheck.errors import InputError, PipecheckError, UsageError, first_line
 
 # Every built-in runner whose engine is installed (found without importing it): pipecheck._runners.registry
 RUNNERS = tuple(registry.available())
+
+
+def runners_help() -> str:
+    """Every built-in runner of the registry, for ``--help``; those whose engine is not installed here
+    say how to install it."""
+    missing = [name for name in registry.RUNNERS if name not in RUNNERS]
+    names = ", ".join(registry.RUNNERS)
+    return names + (f" ({', '.join(missing)}: not installed here; {registry.install_command('NAME')})"
+                    if missing else "")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "float64": "float64"}
 
 
 def load_object(spec: str, what: str) -> Callable[..., Any]:
-    """The callable named by ``pkg.module:function``, imported the way ``python -m`` would."""
-    module_name, colon, attr = spec.partition(":")
+    """The callable named by ``pkg.module:function``, imported the way ``python -m`` would, or by
+    ``path/to/file.py:function`` (:func:`module_of_file`)."""
+    module_name, colon, attr = spec.rpartition(":")
     if not colon or not module_name or not attr:
         raise UsageError(f"{what} {spec!r} is not a module:function path. Fix: write it as "
-                         "package.module:function, e.g. my_models:make_model.")
+                         "package.module:function or path/to/file.py:function, e.g. my_models:make_model.")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # the `pipecheck` script imports from here, as `python -m` does
+    file = None
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        file, module_name = module_of_file(module_name, attr, what)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -41,11 +55,15 @@ def load_object(spec: str, what: str) -> Callable[..., Any]:
                              f"{module_name!r} imports.") from err
         top = module_name.split(".")[0]
         raise UsageError(f"cannot import {module_name!r} for {what}: {err}. Fix: run pipecheck in the "
-                         f"directory that holds {top}.py (or the {top} package), or install it.") from None
+                         f"directory that holds {top}.py (or the {top} package), give the file's path "
+                         f"(path/to/{module_name.replace('.', '/')}.py:{attr}), or install it.") from None
     except Exception as err:
         first = first_line(err)
         raise UsageError(f"importing {module_name!r} for {what} raised {type(err).__name__}: {first}. Fix: "
                          f"make `python -c \"import {module_name}\"` work.") from err
+    if file is not None and Path(module.__file__ or "").resolve() != file:
+        raise UsageError(f"{what}: importing {file} as {module_name!r} gave {module.__file__}, another module of "
+                         f"that name, already imported or earlier on sys.path. Fix: rename {file.name}.")
     value = getattr(module, attr, None)
     if value is None:
         close = difflib.get_close_matches(attr, [n for n in vars(module) if not n.startswith("_")], n=3)
@@ -55,6 +73,28 @@ def load_object(spec: str, what: str) -> Callable[..., Any]:
     if not callable(value):
         raise UsageError(f"{what} {spec!r} is a {type(value).__name__}, not a function. Fix: name a function.")
     return value  # type: ignore[no-any-return]
+
+
+def module_of_file(path_text: str, attr: str, what: str) -> tuple[Path, str]:
+    """``(file, module name)`` of ``my_model.py`` or ``src/pkg/models.py``: the folder that holds it (or
+    the top of its package: the highest folder with an ``__init__.py``) goes first on ``sys.path``, as
+    ``python -m`` run from there would have it, and the ranks inherit that path."""
+    path = Path(path_text).expanduser()
+    if path.suffix != ".py":
+        raise UsageError(f"{what} {path_text}:{attr} is neither a module (dots, no '/') nor a .py file. Fix: write "
+                         f"package.module:{attr}, or the file's path ending in .py.")
+    if not path.is_file():
+        raise UsageError(f"{what} names the file {path_text}, which does not exist (looked from {os.getcwd()}). "
+                         f"Fix: give the path of the .py file that defines {attr}, e.g. "
+                         f"path/to/my_model.py:{attr}, or its module as package.module:{attr}.")
+    file = path.resolve()
+    parts, folder = [file.stem], file.parent
+    while (folder / "__init__.py").is_file() and folder.parent != folder:
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    return file, ".".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +168,9 @@ def runner_option(spec: str) -> tuple[str, Any]:
     if entry is not None and entry.name not in RUNNERS:  # a known engine, not installed here
         entry.load()  # raises the InputError that names the pip command
     if entry is None:
-        close = difflib.get_close_matches(spec, RUNNERS, n=1)
+        close = difflib.get_close_matches(spec, list(registry.RUNNERS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise UsageError(f"runner {spec!r} is not one of {', '.join(RUNNERS)}.{hint} Fix: name a built-in "
+        raise UsageError(f"runner {spec!r} is not one of {', '.join(registry.RUNNERS)}.{hint} Fix: name a built-in "
                          "runner, or your own Runner as package.module:function.")
     return spec, spec
 

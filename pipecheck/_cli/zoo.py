@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,14 +29,14 @@ from pipecheck.errors import (
     plural,
 )
 
-ZOO_STATUS = ("zoo exits 0 when every cell of pipecheck's own runners passes, 1 when one of them is FAIL,\n"
-              "2 when one is REFUSED (it matched, but some rows could hide an error of 10%), 3 when one is\n"
-              "ERROR; the columns of the engines under test (torch, deepspeed, torchtitan) show\n"
-              "their known failures and never change it, except an AdapterError (pipecheck's own adapter\n"
-              "broken by the installed release) or an internal error, pipecheck's failures in any column:\n"
-              "exit 4 (1 if a cell is also FAIL).")
 # zoo columns whose mismatches never change its exit status: other people's engines (findings, not failures)
 NOT_COUNTED = ("torch", *registry.OPTIONAL)
+ZOO_STATUS = textwrap.fill(
+    "zoo exits 0 when every cell of pipecheck's own runners passes, 1 when one of them is FAIL, 2 when one is "
+    "REFUSED (it matched, but some rows could hide an error of 10%), 3 when one is ERROR; the columns of the "
+    f"engines under test ({', '.join(NOT_COUNTED)}) show their known failures and never change it, except an "
+    "AdapterError (pipecheck's own adapter broken by the installed release) or an internal error, pipecheck's "
+    "failures in any column: exit 4 (1 if a cell is also FAIL).", width=100)
 TRAINING_COLUMN = "training"  # --training: pipecheck's runtime trained as engines train
 
 

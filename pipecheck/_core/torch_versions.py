@@ -4,8 +4,8 @@
     tested_note("2.16.0")   # "pipecheck is tested on torch 2.10 to 2.15; this is torch 2.16.0"
 
 The floor is ``torch>=`` in pyproject.toml; docs/torch-versions.md is the
-matrix measured on each of them (``nox -s matrix`` then ``python
-docs/torch_matrix.py write``).
+matrix measured on each of them, written from one committed record each
+(docs/torch-matrix/<minor>.json, which ``nox -s matrix`` rewrites).
 """
 
 from __future__ import annotations

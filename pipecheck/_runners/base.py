@@ -15,7 +15,6 @@ Built-in runners by name (one table: :mod:`pipecheck._runners.registry`): "refer
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -206,35 +205,11 @@ def engine_error(err: WorldError, engine: str, when: str, setting: str) -> Engin
 
 
 def timeout_error(err: RankTimeoutError, engine: str, stuck: str, setting: str) -> EngineError:
-    """An engine's hang as an EngineError whose ``rank`` is the rank that hung, not one waiting for it."""
-    culprit = hung_rank(err)
+    """An engine's hang as an EngineError whose ``rank`` is the rank that hung (the World names it:
+    the one the others wait for), not one waiting for it."""
+    culprit = err.hung
     waiting = [rank for rank in err.ranks if rank != culprit]
     who = (f"rank {culprit} hung" + (f" ({', '.join(map(str, waiting))} waiting for it)" if waiting else "")
            if culprit is not None else f"rank(s) {', '.join(map(str, err.ranks))}")
     return EngineError(f"{engine} did not finish within {err.timeout} s ({who}, {stuck}; {setting}).\n{err}",
                        engine=engine, rank=culprit if culprit is not None else (err.ranks[0] if err.ranks else None))
-
-
-def hung_rank(err: RankTimeoutError) -> int | None:
-    """Of the ranks still running at a timeout, the one not blocked in torch.distributed: the others
-    wait in a receive or a collective for it. None when none or several are elsewhere."""
-    elsewhere = [rank for rank in err.ranks if not _in_communication(err.stacks.get(rank, ""))]
-    return elsewhere[0] if len(elsewhere) == 1 else None
-
-
-_COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}",)
-
-
-def _in_communication(stack: str) -> bool:
-    """Whether a faulthandler dump (a block per thread, "Current thread ..." the one that took the
-    signal: the main thread; its "File ..." lines innermost first) shows the rank blocked in
-    torch.distributed. Without a current thread's block, any thread blocked there counts."""
-    blocks: list[list[str]] = []
-    for line in stack.splitlines():
-        text = line.strip()
-        if text.startswith(("Thread ", "Current thread ")):
-            blocks.append([text])
-        elif blocks and text.startswith('File "'):
-            blocks[-1].append(text)
-    current = [block for block in blocks if block[0].startswith("Current thread ")]
-    return any(len(block) > 1 and any(part in block[1] for part in _COMMUNICATION) for block in current or blocks)

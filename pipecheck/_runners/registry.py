@@ -20,6 +20,15 @@ from typing import Any
 
 from pipecheck.errors import InputError
 
+DISTRIBUTION = "torch-pipecheck"
+"""pipecheck's name on the package index (pyproject's ``[project] name``); it imports as ``pipecheck``.
+The index's ``pipecheck`` is an unrelated project: every install line says this name."""
+
+
+def install_command(extra: str | None = None) -> str:
+    """``pip install "torch-pipecheck[deepspeed]"``: the command that installs pipecheck with ``extra``."""
+    return f'pip install "{DISTRIBUTION}[{extra}]"' if extra else f"pip install {DISTRIBUTION}"
+
 
 @dataclass(frozen=True)
 class RunnerEntry:
@@ -30,7 +39,7 @@ class RunnerEntry:
     runner: str  # "module:attribute" of the runner inside pipecheck
     aliases: tuple[str, ...] = ()  # other names, each saying whose engine runs
     package: str | None = None  # an engine installed separately: its import name, looked up without importing it
-    extra: str | None = None  # pip install "pipecheck[<extra>]" installs it
+    extra: str | None = None  # install_command(extra) installs it
     on_world: bool = True  # runs on worker processes (a script calling it needs `if __name__ == "__main__":`)
 
     def available(self) -> bool:
@@ -39,7 +48,7 @@ class RunnerEntry:
     def load(self) -> Any:
         if not self.available():
             raise InputError(f"runner={self.name!r} needs {self.package}, which is not installed. Fix: "
-                             f'pip install "pipecheck[{self.extra}]".')
+                             f"{install_command(self.extra)}.")
         module, _, attr = self.runner.partition(":")
         return getattr(importlib.import_module(module), attr)
 

@@ -8,8 +8,9 @@
 Every message has its own tag (channel, micro-batch, direction, leaf), so
 messages never match the wrong receive whatever order ranks run in. A value's
 layout (pytree structure, shapes, dtypes, requires_grad, non-tensor leaves) is
-sent on the channel's first use (pickled, with an HMAC tag under the World's
-key, checked before it is unpickled) and cached on both sides (for the life of the
+sent on the channel's first use (its length, then its pickle, each with an HMAC tag
+under the World's key that binds it to its channel and micro-batch, checked before
+anything is allocated or unpickled) and cached on both sides (for the life of the
 Links, so repeated steps skip it); again with every micro-batch only when the
 value holds non-tensor leaves. Once a layout is known, the receives of a later
 action can be posted ahead of time (``post_value`` / ``post_grads``) and
@@ -36,6 +37,8 @@ from pipecheck._split.pipe import Pipe
 from pipecheck.errors import EngineError
 
 _TAG_BYTES = 32  # HMAC-SHA256 of a layout's pickle, before it
+_SIZE_BYTES = 8  # a layout's length, little-endian, then its own HMAC: checked before anything is allocated
+MAX_LAYOUT_BYTES = 1 << 30  # what a receiver allocates at most for one layout, key or no key
 LEAF_SLOTS = 64  # tags reserved per message: 0 = layout size, 1 = layout bytes, 2.. = tensor leaves
 
 
@@ -95,22 +98,45 @@ class Links:
         self.sent_layouts: dict[int, Layout] = {}
         self.pending: list[Any] = []
 
-    def signed(self, blob: bytes) -> bytes:
-        return hmac.new(self.secret, blob, hashlib.sha256).digest() + blob
+    def signed(self, blob: bytes, tag: int) -> bytes:
+        return self._mac(blob, tag) + blob
 
-    def verified(self, payload: bytes, channel: Channel, src: int) -> bytes:
-        """The pickle in ``payload`` if its tag is this World's, checked before anything is unpickled:
-        a process outside the World that connects to a rank's port cannot make it run code."""
-        tag, blob = payload[:_TAG_BYTES], payload[_TAG_BYTES:]
-        if not hmac.compare_digest(tag, hmac.new(self.secret, blob, hashlib.sha256).digest()):
+    def _mac(self, blob: bytes, tag: int) -> bytes:
+        return hmac.new(self.secret, tag.to_bytes(8, "little") + blob, hashlib.sha256).digest()
+
+    def verified(self, payload: bytes, channel: Channel, src: int, tag: int, what: str = "layout") -> bytes:
+        """The bytes in ``payload`` if its tag is this World's, checked before they are used: a process
+        outside the World that connects to a rank's port cannot make it run code or allocate."""
+        mac, blob = payload[:_TAG_BYTES], payload[_TAG_BYTES:]
+        if not hmac.compare_digest(mac, self._mac(blob, tag)):
             producer, name, consumer = channel
             raise EngineError(
-                f"the layout of value {name!r} (stage {producer} to stage {consumer}), received from rank {src}, "
-                "failed authentication: it was not sent by a rank of this World, and was not unpickled. Another "
+                f"the {what} of value {name!r} (stage {producer} to stage {consumer}), received from rank {src}, "
+                "failed authentication: it was not sent by a rank of this World, and was not used. Another "
                 "process reached this rank's port. Fix: run pipecheck where other users cannot connect to its "
                 "ranks' ports, or find the process that did."
             )
         return blob
+
+    def _receive_layout(self, channel: Channel, mb: int, src: int) -> Layout:
+        size_tag, layout_tag = self._tag(channel, mb, False, 0), self._tag(channel, mb, False, 1)
+        header = torch.empty((_TAG_BYTES + _SIZE_BYTES,), dtype=torch.uint8, device=self.comm_device)
+        dist.recv(header, src, tag=size_tag)
+        size_bytes = self.verified(bytes(header.cpu().tolist()), channel, src, size_tag, "layout's size")
+        size = int.from_bytes(size_bytes, "little", signed=True)
+        if not _TAG_BYTES < size <= MAX_LAYOUT_BYTES:
+            producer, name, consumer = channel
+            raise EngineError(
+                f"the layout of value {name!r} (stage {producer} to stage {consumer}), received from rank {src}, "
+                f"claims {size} bytes: a layout holds between {_TAG_BYTES + 1} and {MAX_LAYOUT_BYTES} bytes, so "
+                "nothing was allocated. Without a World's key (under torchrun) any process that reaches a rank's "
+                "port can send this. Fix: run pipecheck where other users cannot connect to its ranks' ports."
+            )
+        payload = torch.empty((size,), dtype=torch.uint8, device=self.comm_device)
+        dist.recv(payload, src, tag=layout_tag)
+        layout = pickle.loads(self.verified(bytes(payload.cpu().tolist()), channel, src, layout_tag))
+        assert isinstance(layout, Layout)  # authenticated: a rank of this World pickled it
+        return layout
 
     def _tag(self, channel: Channel, mb: int, backward: bool, slot: int) -> int:
         cid = self.channel_ids[channel]
@@ -142,9 +168,11 @@ class Links:
         else:
             layout = layout_of(value)
             self.sent_layouts[cid] = layout
-            payload = torch.frombuffer(bytearray(self.signed(pickle.dumps(layout))), dtype=torch.uint8)
-            self._isend(torch.tensor([payload.numel()], dtype=torch.int64), dst, self._tag(channel, mb, False, 0))
-            self._isend(payload, dst, self._tag(channel, mb, False, 1))
+            size_tag, layout_tag = self._tag(channel, mb, False, 0), self._tag(channel, mb, False, 1)
+            signed = self.signed(pickle.dumps(layout), layout_tag)
+            header = self.signed(len(signed).to_bytes(_SIZE_BYTES, "little", signed=True), size_tag)
+            self._isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, size_tag)
+            self._isend(torch.frombuffer(bytearray(signed), dtype=torch.uint8), dst, layout_tag)
         for i, tensor in enumerate(tensors):
             self._isend(tensor, dst, self._tag(channel, mb, False, 2 + i))
 
@@ -179,11 +207,7 @@ class Links:
         src = self.stage_to_rank[producer]
         cid = self.channel_ids[channel]
         if self._needs_layout(cid, self.layouts):
-            size = torch.empty((1,), dtype=torch.int64, device=self.comm_device)
-            dist.recv(size, src, tag=self._tag(channel, mb, False, 0))
-            payload = torch.empty((int(size.item()),), dtype=torch.uint8, device=self.comm_device)
-            dist.recv(payload, src, tag=self._tag(channel, mb, False, 1))
-            self.layouts[cid] = pickle.loads(self.verified(bytes(payload.cpu().tolist()), channel, src))
+            self.layouts[cid] = self._receive_layout(channel, mb, src)
         layout = self.layouts[cid]
         posted = Posted(layout=layout)
         slot = 2

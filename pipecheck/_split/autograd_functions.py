@@ -21,7 +21,6 @@ without that wrapper) is refused at split time, never compared.
 from __future__ import annotations
 
 import importlib
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -56,16 +55,6 @@ def function_call(cls: type) -> Callable[..., Any]:
         apply.autograd_function = cls  # type: ignore[attr-defined]
         _FUNCTION_CALLS[cls] = apply
     return _FUNCTION_CALLS[cls]
-
-
-def called_function(target: Any) -> type | None:
-    """The autograd.Function class whose :func:`function_call` ``target`` is, else None. A recipe pickles
-    such a call as ``function_call(cls)`` (the class by its importable name): the closure itself has no
-    name pickle can look up, and a graph that does not pickle is traced again on every rank."""
-    if not isinstance(target, types.FunctionType):
-        return None
-    cls = getattr(target, "autograd_function", None)
-    return cls if isinstance(cls, type) and _FUNCTION_CALLS.get(cls) is target else None
 
 
 def _original_apply(cls: type, *args: Any, **kwargs: Any) -> Any:

@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._split.checkpoints import outline_checkpoints, register_region_modules
 from pipecheck._split.inputs import as_args
 from pipecheck._split.markers import PIPE_SPLIT_OP, is_marker
 from pipecheck._split.model_factory import ModelFactory, ModelLike, build_module, copy_module
@@ -290,7 +291,9 @@ def _build_stage(index: int, nodes: list[fx.Node], stage_of: dict[fx.Node, int],
         if node.op == "call_module":
             roots[_target(node)] = traced.attrs[_target(node)]
     graph.output(tuple(lookup(v) if isinstance(v, fx.Node) else v for v in returns))
+    outline_checkpoints(graph, roots)  # each checkpointed region: one call that recomputes it in backward
     module = source_freed_with(fx.GraphModule(roots, graph, class_name=f"Stage{index}"))
+    register_region_modules(module)
     sources = tuple(Source(None if a.op == "placeholder" else stage_of[a],
                            _target(a) if a.op == "placeholder" else a.name) for a in external)
     return module, sources

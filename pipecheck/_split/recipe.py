@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import io
 import pickle
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pipecheck._split.autograd_functions import called_function, function_call
+from pipecheck._split.autograd_functions import function_call
 from pipecheck._split.inputs import bind_signature
 from pipecheck._split.traced import try_resolve
 from pipecheck.errors import InputError
@@ -157,6 +158,34 @@ class SplitRecipe:
         return recipe if isinstance(recipe, SplitRecipe) else None
 
 
+def same_graph(a: SplitRecipe, b: SplitRecipe) -> bool | None:
+    """Whether two recipes alive side by side hold the same graph, binding and outputs (not their constants),
+    each function, class and operator in them compared as the object it is, so that nothing needs to pickle
+    by name; None where something in them does not pickle even so (nobody knows)."""
+    try:
+        mine, theirs = (_identities(dataclasses.replace(recipe, constants={})) for recipe in (a, b))
+    except Exception:
+        return None
+    return mine == theirs
+
+
+def _identities(recipe: SplitRecipe) -> bytes:
+    buffer = io.BytesIO()
+    _ByIdentity(buffer).dump(recipe)
+    return buffer.getvalue()
+
+
+class _ByIdentity(pickle.Pickler):
+    """pickle for a comparison in one process: a function, class or operator is its id (both recipes hold it
+    alive while they are compared), so a local autograd.Function or an operator pickle cannot name compares."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                            torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+            return id(obj)
+        return None
+
+
 def fits(devices: frozenset[torch.device], device: torch.device) -> bool:
     return all(_same_device(named, device) for named in devices)
 
@@ -237,13 +266,12 @@ def _leaf_spec() -> pytree.TreeSpec:
 
 class _Pickler(pickle.Pickler):
     """pickle, with torch's operators by name (an ``OpOverload`` holds pybind objects that do not pickle), a
-    custom autograd.Function's call by its class (RecurrentGemma's ``SqrtBoundDerivative``: the call is a
-    closure pickle cannot name), and a pytree leaf as torch's own (unpickling a ``LeafSpec`` makes a new
-    one, which torch 2.10 warns of)."""
+    custom autograd.Function's call by its class (pipecheck._split.autograd_functions), and a pytree leaf as
+    torch's own (unpickling a ``LeafSpec`` makes a new one, which torch 2.10 warns of)."""
 
     def reducer_override(self, obj: Any) -> Any:
-        function = called_function(obj)
-        if function is not None:  # the class pickles by name; one that cannot be imported fails here
+        function = getattr(obj, "autograd_function", None)
+        if isinstance(function, type) and function_call(function) is obj:
             return function_call, (function,)
         if isinstance(obj, torch._ops.OpOverload):
             return _op_overload, (obj.namespace, obj._opname, obj._overloadname)

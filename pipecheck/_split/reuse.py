@@ -2,7 +2,7 @@
 
     hit = []
     pipe = split_reusing(factory, built, args, kwargs, split_spec=..., policy=..., tracer="auto", hits=hit)
-    if hit and not hit[0].still_traced_the_same(): ...   # a failing check whose split was reused: rerun
+    if hit and hit[0].still_traced_the_same() is False: ...   # a failing check ran on a stale graph
 
 Tracing is most of a split (torch.export takes 1-2 s on a tiny HuggingFace model). A check whose
 model factory, model structure, inputs, cut and tracer are all those of an earlier check in this
@@ -17,10 +17,12 @@ pickle (a lambda, a local class, a user's ``nn.Module`` given as the model, whic
 between checks), or a module has a forward of its own (a hook library's wrapper, which would keep
 the model alive here), nothing is reused.
 
-A key cannot see everything forward reads (a helper method or a module global changed between two
-checks). The graph is all that is reused, and a stale graph can only make the pipeline compute
-something eager does not: a check that fails on a reused split traces the model again, and where
-the graph differs, the check runs again from the start (``assert_equivalent`` does this).
+The key also holds what forward reads beyond the model's own tensors (pipecheck._split.code_reads:
+the helper methods it calls and the globals they read), but it cannot see everything (a global dict
+changed in place). The graph is all that is reused, and a stale graph can only make the pipeline
+compute something eager does not: a check that fails on a reused split traces the model again, and
+where the graph differs, ``assert_equivalent`` says so instead of blaming the pipeline. The runner
+is never run again for it (and after a timeout the model is not even traced again).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,9 +38,10 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._split.code_reads import code_reads
 from pipecheck._split.model_factory import ModelFactory
 from pipecheck._split.pipe import Pipe, split_along, split_module
-from pipecheck._split.recipe import SplitRecipe
+from pipecheck._split.recipe import SplitRecipe, same_graph
 from pipecheck._split.traced import try_resolve
 from pipecheck.policies import Policy
 
@@ -55,28 +58,32 @@ class Hit:
     key: Key
     recipe: SplitRecipe
     retrace: Callable[[], Pipe]
+    looked: list[bool | None] = field(default_factory=list)  # what the one look found
 
     def still_traced_the_same(self) -> bool | None:
         """Whether tracing the model now gives the graph that was reused (None: it could not be traced
-        again, so nobody knows); one that changed is forgotten."""
-        try:
-            fresh = self.retrace().recipe
-        except Exception:  # out of memory, say: the check's verdict stands as it is
-            return None
-        same = _same_recipe(fresh, self.recipe)
-        if not same:
-            _recipes.pop(self.key, None)
-        return same
+        again or compared, so nobody knows); one that changed is forgotten. Traced once: asked again, the
+        same answer."""
+        if not self.looked:
+            try:
+                same = _same_recipe(self.retrace().recipe, self.recipe)
+            except Exception:  # out of memory, say: the check's verdict stands as it is
+                same = None
+            if same is not True:  # changed, or not comparable: the next check traces afresh
+                _recipes.pop(self.key, None)
+            self.looked.append(same)
+        return self.looked[0]
 
 
-def _same_recipe(fresh: SplitRecipe, kept: SplitRecipe) -> bool:
-    """The same graph, binding and outputs (compared pickled), and the same constants, tensors by value
-    (a pickled tensor's bytes differ from an equal one's), where ``kept`` keeps them."""
+def _same_recipe(fresh: SplitRecipe, kept: SplitRecipe) -> bool | None:
+    """The same graph, binding and outputs (each function and class in them the same object: a custom
+    autograd.Function's call too), and the same constants, tensors by value, where ``kept`` keeps them;
+    None where the graphs cannot be compared (an object in them that does not even pickle by identity)."""
     if not set(kept.constants) <= set(fresh.constants):
         return False
-    graph = fresh.without_constants(set(fresh.constants)).dumps()
-    if graph is None or graph != kept.without_constants(set(kept.constants)).dumps():
-        return False
+    same = same_graph(fresh, kept)
+    if not same:
+        return same
     return all(_same_value(fresh.constants[target], value) for target, value in kept.constants.items())
 
 
@@ -142,8 +149,9 @@ def _key(factory: ModelFactory, built: nn.Module, args: Sequence[Any], kwargs: M
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     inputs = [_tensor_key(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     try:
-        # The classes and their forwards themselves, held by the key: one patched or redefined is another key.
-        code = tuple((type(m), type(m).forward) for m in built.modules())
+        # The classes and their forwards themselves, held by the key: one patched or redefined is another key;
+        # and what forward reads beyond them (helper methods, globals: pipecheck._split.code_reads).
+        code = (*((type(m), type(m).forward) for m in built.modules()), code_reads(built))
         hash(code)
         return code, pickle.dumps((factory.source, str(factory.dtype), str(factory.device), factory.seed, modules,
                                    tensors, str(spec), inputs, dict(split_spec or {}), policy, tracer))

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._split.checkpoints import checkpoints_marked
 from pipecheck._split.markers import SplitPoint
 from pipecheck._split.microbatch import unwrap_replicated
 from pipecheck._split.model_factory import buffers_kept, seeded
@@ -51,7 +52,9 @@ def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split
     failures: list[TraceError] = []
     for name in order:
         try:
-            with seeded(0):  # a forward that draws (Python's random, numpy) leaves the caller's RNGs as they were
+            # seeded: a forward that draws (Python's random, numpy) leaves the caller's RNGs as they were;
+            # checkpoints_marked: each torch.utils.checkpoint region is recorded, to be recomputed by the stages
+            with seeded(0), checkpoints_marked():
                 return TRACERS[name](model, args, kwargs, split_spec)
         except TraceError as err:
             failures.append(err)

@@ -1,19 +1,30 @@
-"""How a task's faults read: which rank raised or died, doing what, and what to fix first.
+"""How a task's faults read: which rank raised, died or hung, doing what, and what to fix first.
 
     raise fault_error(faults, still_running, task, world_size, RESTART_NOTE)
+    raise timeout_error(pending, stacks, doing, task, world_size, timeout, RESTART_NOTE)
 
 A death is reported before the errors it caused; a forkserver killed from outside is named as
-such, not blamed on rank 0.
+such, not blamed on rank 0; of ranks that time out, the one not waiting for a peer is named first,
+with its stack (every engine's timeout reads the same: it is the World's).
 """
 
 from __future__ import annotations
 
 import multiprocessing.forkserver
+import os
 import signal
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from pipecheck._world.worker import process_gone
-from pipecheck.errors import RankDiedError, RankError, RankFailedError, WorldError
+from pipecheck._world.worker import PeersUnproven, process_gone
+from pipecheck.errors import (
+    RankDiedError,
+    RankError,
+    RankFailedError,
+    RankTimeoutError,
+    WorldError,
+    WorldStartError,
+)
 
 
 def where(stage: int | None, action: str | None) -> str:
@@ -128,3 +139,91 @@ def idle_death_error(exitcodes: dict[int, int | None], task: str, world_size: in
         f"rank(s) {ranks} of {world_size} died while the World was idle, between tasks: {cause} "
         f"Task {task} was not sent, so nothing of it ran. {recovery}",
         rank, exitcodes[rank], None)
+
+
+# Where a rank that waits for a peer blocks: torch.distributed's Python functions (recv, barrier,
+# all_reduce), or pipecheck's runtime waiting on a posted receive (``work.wait()`` is C: the innermost
+# Python frame is pipecheck's own).
+_COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}pipecheck{os.sep}_runtime{os.sep}comm.py")
+
+
+def hung_rank(ranks: Iterable[int], stacks: Mapping[int, str]) -> int | None:
+    """Of the ranks still running at a timeout, the one not blocked in communication: the others wait
+    in a receive or a collective for it. None when none or several are elsewhere (no guess)."""
+    elsewhere = [rank for rank in ranks if not _in_communication(stacks.get(rank, ""))]
+    return elsewhere[0] if len(elsewhere) == 1 else None
+
+
+def _in_communication(stack: str) -> bool:
+    """Whether a faulthandler dump (a block per thread, "Current thread ..." the one that took the
+    signal: the main thread; its "File ..." lines innermost first) shows the rank blocked in
+    communication. Without a current thread's block, any thread blocked there counts."""
+    blocks: list[list[str]] = []
+    for line in stack.splitlines():
+        text = line.strip()
+        if text.startswith(("Thread ", "Current thread ")):
+            blocks.append([text])
+        elif blocks and text.startswith('File "'):
+            blocks[-1].append(text)
+    current = [block for block in blocks if block[0].startswith("Current thread ")]
+    return any(len(block) > 1 and any(part in block[1] for part in _COMMUNICATION) for block in current or blocks)
+
+
+def timeout_error(pending: set[int], stacks: Mapping[int, str], doing: Mapping[int, str], task: str,
+                  world_size: int, timeout: float, recovery: str) -> RankTimeoutError:
+    """A task's timeout: the rank that hung and its stack first, when one rank is stuck outside
+    communication while the others wait for it; then every rank's state and the others' stacks.
+    ``doing``: where each rank was (its stage and action)."""
+    hung = hung_rank(sorted(pending), stacks)
+    waiting = sorted(pending - {hung}) if hung is not None else []
+    if hung is not None:
+        lines = [f"task {task} did not finish within {timeout} s: rank {hung} of {world_size} hung, in "
+                 f"{doing[hung]}" + (f" (rank(s) {', '.join(map(str, waiting))} waiting for it)" if waiting else "")
+                 + ".",
+                 f"Python stack of rank {hung}, where it hung:", indent(stacks[hung])]
+    else:
+        ranks = ", ".join(map(str, sorted(pending)))
+        lines = [f"task {task} did not finish within {timeout} s on rank(s) {ranks} of {world_size}."]
+    lines += [f"rank {rank}: " + (f"still running, {doing[rank]}" if rank in pending else "finished")
+              for rank in range(world_size)]
+    lines.append(
+        f"{recovery} " + (f"Fix what rank {hung} is doing first: the others only wait for it." if hung is not None
+                          else "Look below for where the unfinished ranks are stuck: a send/recv whose peer never "
+                          "posts the matching call, or a collective that not every rank entered, is the usual "
+                          "cause.") + " If the task is only slow, pass run(..., timeout=SECONDS).")
+    lines.append(f"Python stack of every {'other ' if hung is not None else ''}rank at the timeout:")
+    for rank in range(world_size):
+        if rank != hung:
+            lines += [f"--- rank {rank} ({'still running' if rank in pending else 'finished'}) ---",
+                      indent(stacks[rank])]
+    return RankTimeoutError("\n".join(lines), tuple(sorted(pending)), dict(stacks), timeout, hung=hung)
+
+
+def start_error(world: str, problems: list[str], unproven: list[PeersUnproven], full: str | None) -> WorldStartError:
+    """Why the ranks of ``world`` (``World(2, device='cpu') (backend gloo, ...)``) did not all join:
+    connections taken by a process outside the World first, then each rank's own problem, then a full
+    disk (which makes the ranks fail in ways of their own) or the usual suspects."""
+    if unproven:
+        lines = [f"Could not start {world}: the connections between its ranks did not all reach this World's "
+                 "ranks. Each rank proves itself to every other with this World's key right after they "
+                 "connect, and these did not:"]
+        for report in sorted(unproven, key=lambda report: report.rank):
+            lines += [f"rank {report.rank}, {problem}" for problem in report.problems]
+        holders: dict[str, list[str]] = {}
+        for address, holder in sorted({held for report in unproven for held in report.foreign}):
+            holders.setdefault(holder, []).append(address)
+        for holder, addresses in holders.items():
+            shown = ", ".join(addresses[:4]) + (f" and {len(addresses) - 4} more" if len(addresses) > 4 else "")
+            lines.append(f"Held by a process outside the World: {len(addresses)} connection(s) to these ranks, "
+                         f"from {shown}: {holder}.")
+        lines.append(
+            "A rank's gloo port takes the first connection that names itself a peer, and any local user can connect "
+            "to 127.0.0.1: another process took a peer's place while the ranks started. No task ran, and every "
+            "rank was stopped. Fix: find that process (`ss -tnp`; the ports are above) and stop it, or run on a "
+            "host (or in a container) where no one else can reach this host's loopback ports; then start the "
+            "World again."
+        )
+        return WorldStartError("\n".join(lines + problems))
+    hint = (f"The disk is full: {full}" if full else
+            "If gloo cannot bind an address, set GLOO_SOCKET_IFNAME; if startup is just slow, raise start_timeout.")
+    return WorldStartError(f"Could not start {world}:\n" + "\n".join(problems) + "\n" + hint)

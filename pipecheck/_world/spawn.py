@@ -12,11 +12,8 @@ stopped so the next task starts from fresh processes.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.util
 import os
 import pickle
 import secrets
@@ -30,9 +27,25 @@ from multiprocessing.connection import wait as wait_for
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from pipecheck._world.faults import Fault, exit_status, fault_error, idle_death_error, indent, where
-from pipecheck._world.tempdirs import make_tmpdir, sweep_stale_tmpdirs
+from pipecheck._world.faults import (
+    Fault,
+    exit_status,
+    fault_error,
+    idle_death_error,
+    indent,
+    start_error,
+    timeout_error,
+    where,
+)
+from pipecheck._world.forkserver import _forkserver, own_forkserver_if_started, process_context
+from pipecheck._world.tempdirs import (
+    disk_problem,
+    make_tmpdir,
+    own_multiprocessing_tempdir,
+    sweep_stale_tmpdirs,
+)
 from pipecheck._world.worker import (
+    PeersUnproven,
     Ready,
     Shutdown,
     StageBoard,
@@ -49,7 +62,6 @@ from pipecheck._world.worker import (
 )
 from pipecheck.errors import (
     RankTimeoutError,
-    WorldError,
     WorldStartError,
 )
 
@@ -116,72 +128,6 @@ def _refuse_main_without_a_file() -> None:
         )
 
 
-# What the forkserver imports once, so that no rank it starts pays for it again (after a fault, a World
-# starts fresh ranks): torch; torch's pipelining (1.7 s a rank); what a first torch.export trace imports
-# (0.5 s a rank: dynamo, export, aot_autograd; torch's pipeline() and tracer='export' trace with it).
-# Imports only: no thread starts, no device is touched. One that fails is skipped by multiprocessing.
-PRELOADED = ["pipecheck._world.worker", "torch.distributed.pipelining", "torch._dynamo", "torch.export._trace",
-             "torch._functorch.aot_autograd"]
-
-
-def process_context() -> Any:  # a SpawnContext or ForkServerContext
-    """How ranks start: from a forkserver that imported torch once (a rank then starts in a fraction
-    of a second, and a World restarts after a fault as fast), or spawned afresh.
-
-    forkserver on Linux unless ``PIPECHECK_START_METHOD=spawn``; spawn elsewhere. Never fork: the
-    driver may hold threads, CUDA or gloo state that a forked child must not inherit.
-    """
-    method = os.environ.get("PIPECHECK_START_METHOD") or ("forkserver" if sys.platform.startswith("linux") else "spawn")
-    if method not in ("forkserver", "spawn"):
-        raise WorldError(f"PIPECHECK_START_METHOD={method!r} is not 'forkserver' or 'spawn'. Fix: unset it, "
-                         "or pick one of those.")
-    context = multiprocessing.get_context(method)
-    if method == "forkserver":
-        context.set_forkserver_preload(PRELOADED)
-    return context
-
-
-def _forkserver() -> Any:
-    return multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
-
-
-def own_forkserver_if_started(was_running: bool) -> None:
-    """Stop multiprocessing's forkserver at exit if pipecheck's ranks are what started it (``was_running``:
-    whether one ran before they started). The stop runs after multiprocessing has stopped and joined
-    the process's other children, which a user's own code may have started from the same forkserver."""
-    global _forkserver_owned
-    if was_running or _forkserver_owned or getattr(_forkserver(), "_forkserver_pid", None) is None:
-        return
-    _forkserver_owned = True
-    multiprocessing.util.Finalize(None, stop_forkserver, exitpriority=-100)
-
-
-_forkserver_owned = False
-
-
-def stop_forkserver() -> None:
-    """Stop multiprocessing's forkserver now and reap it. Left alone it outlives the driver by the 1.6 s
-    it takes to tear torch down once it notices the driver has gone (measured); it holds nothing that
-    needs that teardown (it imports and forks), so it is killed."""
-    server = _forkserver()
-    with getattr(server, "_lock", contextlib.nullcontext()):
-        pid, alive = getattr(server, "_forkserver_pid", None), getattr(server, "_forkserver_alive_fd", None)
-        if pid is None or alive is None:
-            return
-        server._forkserver_pid = server._forkserver_alive_fd = None
-        with contextlib.suppress(OSError):
-            os.close(alive)
-        with contextlib.suppress(OSError):  # ProcessLookupError: gone already
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):  # reaped already (SIGCHLD ignored)
-            os.waitpid(pid, 0)
-        address = getattr(server, "_forkserver_address", None)
-        if address and not multiprocessing.util.is_abstract_socket_namespace(address):
-            with contextlib.suppress(OSError):
-                os.unlink(address)
-        server._forkserver_address = None
-
-
 def await_exit_status(proc: BaseProcess) -> None:
     """Give a rank whose pipe closed ``KILL_GRACE_S`` to exit, and once it has, up to ``EXIT_STATUS_WAIT_S``
     for its exit status (which its forkserver sends a moment after): an error names how the rank ended."""
@@ -216,7 +162,10 @@ class SpawnedRanks:
         spawn = process_context()
         forkserver_ran = getattr(_forkserver(), "_forkserver_pid", None) is not None
         n = self.properties.world_size
+        if (full := disk_problem()) is not None:
+            raise WorldStartError(f"Could not start {self._described()}: {full}")
         sweep_stale_tmpdirs()
+        own_multiprocessing_tempdir()
         self.tmpdir = make_tmpdir()
         self.board = StageBoard(n, spawn)
         # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: a forkserver's
@@ -224,6 +173,7 @@ class SpawnedRanks:
         in_main_thread = threading.current_thread() is threading.main_thread()
         kill_with_parent = in_main_thread or spawn.get_start_method() == "forkserver"
         secret = secrets.token_bytes(32)  # travels in the pickled config, never through the store or argv
+        deadline, wall_deadline = time.monotonic() + self.start_timeout, time.time() + self.start_timeout
         try:
             for rank in range(n):
                 config = WorkerConfig(
@@ -239,6 +189,7 @@ class SpawnedRanks:
                     threads=self.properties.threads_per_rank,
                     environ=dict(os.environ),
                     secret=secret,
+                    start_deadline=wall_deadline,
                 )
                 driver_end, worker_end = spawn.Pipe()
                 proc = spawn.Process(
@@ -251,20 +202,24 @@ class SpawnedRanks:
                 worker_end.close()
                 self.procs.append(proc)
                 self.conns.append(driver_end)
-            self._await_ready()
+            self._await_ready(deadline)
         except BaseException:
             self.stop(graceful=False)
             raise
 
-    def _await_ready(self) -> None:
-        n, props = self.properties.world_size, self.properties
-        deadline = time.monotonic() + self.start_timeout
-        pending, problems, unguarded = set(range(n)), [], False
+    def _described(self) -> str:
+        props = self.properties
+        return (f"World({props.world_size}, device={props.device!r}) "
+                f"(backend {props.backend}, devices {', '.join(props.devices)})")
+
+    def _await_ready(self, deadline: float) -> None:
+        n = self.properties.world_size
+        pending, problems, unproven, unguarded = set(range(n)), [], [], False
         while pending and not unguarded and time.monotonic() < deadline:
             waitables: dict[Any, int] = {self.conns[r]: r for r in pending} | {
                 self.procs[r].sentinel: r for r in pending
             }
-            for ready in wait_for(list(waitables), timeout=deadline - time.monotonic()):
+            for ready in wait_for(list(waitables), timeout=max(0.0, deadline - time.monotonic())):
                 rank = waitables[ready]
                 if rank not in pending:
                     continue
@@ -284,26 +239,22 @@ class SpawnedRanks:
                     problems.append(
                         f"rank {rank} failed to join the world:\n{indent(message.traceback)}"
                     )
+                elif isinstance(message, PeersUnproven):
+                    unproven.append(message)
                 elif not isinstance(message, Ready):
                     problems.append(f"rank {rank} sent {message!r} instead of Ready")
-            if problems:
-                break
+            if problems or unproven:  # the others' reports, if they come at once
+                deadline = min(deadline, time.monotonic() + FAULT_GRACE_S)
         if unguarded:
             raise WorldStartError(UNGUARDED_MAIN)
-        if pending and not problems:
+        if pending and not problems and not unproven:
             stacks = self.dump_stacks(dict.fromkeys(pending, 0))
             problems.extend(
                 f"rank {r} did not join within start_timeout={self.start_timeout} s; its stack:\n{indent(stacks[r])}"
                 for r in sorted(pending)
             )
-        if problems:
-            raise WorldStartError(
-                f"Could not start World({n}, device={props.device!r}) "
-                f"(backend {props.backend}, devices {', '.join(props.devices)}):\n"
-                + "\n".join(problems)
-                + "\nIf gloo cannot bind an address, set GLOO_SOCKET_IFNAME; if startup is just "
-                "slow, raise start_timeout."
-            )
+        if problems or unproven:
+            raise start_error(self._described(), problems, unproven, disk_problem(self.tmpdir))
 
     def run(self, call: bytes, task: str, timeout: float) -> list[bytes]:
         if not self.started:
@@ -383,29 +334,8 @@ class SpawnedRanks:
         assert self.board is not None
         stacks = self.dump_stacks(offsets)
         n = self.properties.world_size
-        states = []
-        for rank in range(n):
-            state = (
-                "still running, " + where(*self.board.read(rank))
-                if rank in pending
-                else "finished"
-            )
-            states.append(f"rank {rank}: {state}")
-        ranks = ", ".join(map(str, sorted(pending)))
-        lines = [
-            f"task {task} did not finish within {timeout} s on rank(s) {ranks} of {n}.",
-            *states,
-            f"{RESTART_NOTE} Look below for where the unfinished ranks are stuck: a send/recv "
-            "whose peer never posts the matching call, or a collective that not every rank "
-            "entered, is the usual cause. If the task is only slow, pass run(..., timeout=SECONDS).",
-            "Python stack of every rank at the timeout:",
-        ]
-        for rank in range(n):
-            lines += [
-                f"--- rank {rank} ({'still running' if rank in pending else 'finished'}) ---",
-                indent(stacks[rank]),
-            ]
-        return RankTimeoutError("\n".join(lines), tuple(sorted(pending)), stacks, timeout)
+        doing = {rank: where(*self.board.read(rank)) for rank in range(n)}
+        return timeout_error(pending, stacks, doing, task, n, timeout, RESTART_NOTE)
 
     def _stack_size(self, rank: int) -> int:
         try:
@@ -442,10 +372,9 @@ class SpawnedRanks:
             previous = sizes
             time.sleep(0.05)
         stacks = {r: self._read_stack(r, offset) for r, offset in offsets.items()}
-        return {
-            r: text or "(no stack: the process did not answer SIGUSR1)"
-            for r, text in stacks.items()
-        }
+        full = disk_problem(self.tmpdir) if not all(stacks.values()) else None
+        unanswered = f"the rank could not write it: {full}" if full else "the process did not answer SIGUSR1"
+        return {r: text or f"(no stack: {unanswered})" for r, text in stacks.items()}
 
     def stop(self, graceful: bool) -> None:
         if graceful:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import multiprocessing.process
 import os
 import pickle
 import signal
@@ -33,11 +34,13 @@ import torch
 import torch.distributed as dist
 
 from pipecheck._core.torch_versions import at_least
+from pipecheck._world.handshake import foreign_connections, prove_peers
 from pipecheck.errors import RankError
 
 ACTION_BYTES = 64  # room for one action label per rank on the stage board
 _NO_STAGE = -1
 _PARENT_POLL_S = 0.5
+HANDSHAKE_S = 15.0  # at most, how long a rank waits for its peers' proof that they are its peers
 # The driver enforces every task's timeout itself, with stacks; the process
 # group's own timeout only has to be longer than any sensible task.
 PROCESS_GROUP_TIMEOUT = timedelta(days=1)
@@ -97,6 +100,7 @@ class WorkerConfig:
     threads: int  # intra-op threads of this rank (torch.set_num_threads)
     environ: dict[str, str]  # the driver's environment when the rank started (a forkserver has an older one)
     secret: bytes = b""  # the World's key: what a rank unpickles from a peer must carry its tag
+    start_deadline: float = float("inf")  # time.time() by which the driver gives up on the start
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,15 @@ class Ready:
 class StartFailed:
     rank: int
     traceback: str
+
+
+@dataclass(frozen=True)
+class PeersUnproven:
+    """The rank's connections did not all answer with the World's key (see handshake.py)."""
+
+    rank: int
+    problems: tuple[str, ...]  # one line per peer
+    foreign: tuple[tuple[str, str], ...]  # (address, holder) of connections held outside the World
 
 
 @dataclass(frozen=True)
@@ -298,7 +311,14 @@ def _thread_lock_for_tqdm() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def _join_world(config: WorkerConfig, board: StageBoard) -> RankContext:
+def _handshake_timeout(config: WorkerConfig) -> float:
+    """Every rank leaves init_process_group within moments of the others; a peer that has not
+    answered in HANDSHAKE_S never will. Capped by the start's own deadline, so that the driver
+    hears the rank's report before it gives up on the start."""
+    return max(1.0, min(HANDSHAKE_S, config.start_deadline - time.time() - 1.0))
+
+
+def _join_world(config: WorkerConfig, board: StageBoard) -> RankContext | PeersUnproven:
     if sys.platform.startswith("linux"):
         # Every rank lives on this host: loopback always works, whatever the
         # hostname resolves to. A value the user set wins.
@@ -317,6 +337,10 @@ def _join_world(config: WorkerConfig, board: StageBoard) -> RankContext:
             world_size=config.world_size,
             timeout=PROCESS_GROUP_TIMEOUT,
         )
+    if config.backend == "gloo" and config.world_size > 1:
+        problems = prove_peers(config.rank, config.world_size, config.secret, _handshake_timeout(config))
+        if problems:
+            return PeersUnproven(config.rank, problems, foreign_connections())
     return RankContext(
         rank=config.rank,
         world_size=config.world_size,
@@ -375,6 +399,9 @@ def worker_main(config: WorkerConfig, conn: Connection, board: StageBoard) -> No
     os.environ.clear()  # as if spawned now: a forkserver started with the environment of an earlier moment
     os.environ.update(config.environ)
     _tie_lifetime_to_parent(config)
+    # What multiprocessing writes from this rank goes to the World's folder, which the driver removes
+    # (or the next World's sweep, if the driver was killed): never a pymp-* folder of its own in TMPDIR.
+    multiprocessing.process.current_process()._config["tempdir"] = os.path.dirname(config.stack_path)  # type: ignore[attr-defined]
     stack_file = open(config.stack_path, "a")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=stack_file, all_threads=True)
     if hasattr(signal, "SIGUSR1"):
@@ -384,6 +411,9 @@ def worker_main(config: WorkerConfig, conn: Connection, board: StageBoard) -> No
     except BaseException:
         send(conn, StartFailed(config.rank, traceback.format_exc()))
         return
+    if isinstance(ctx, PeersUnproven):
+        send(conn, ctx)
+        return  # the driver stops every rank: none may run a task over a connection it cannot trust
     send(conn, Ready(config.rank, os.getpid()))
     while True:
         try:

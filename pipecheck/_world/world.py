@@ -16,7 +16,10 @@ process one rank of the launched world, and the same task code runs unchanged.
 
 Workers are spawned (never forked: torch is not fork-safe), rendezvous through
 a ``FileStore`` in a private temporary directory (so any number of worlds, e.g.
-one per pytest-xdist worker, never collide) and die with their driver.
+one per pytest-xdist worker, never collide), prove to each other with the World's
+key that every connection reaches its true peer (``handshake.py``: a process that
+took a peer's place on a rank's port is refused and named at start) and die with
+their driver.
 
 Every rank runs ``threads_per_rank`` intra-op threads (default: the machine's
 cores shared among the ranks), set once when it joins; results are bitwise
@@ -40,6 +43,7 @@ import torch.distributed as dist
 
 from pipecheck._world.faults import Fault, fault_error
 from pipecheck._world.spawn import SpawnedRanks
+from pipecheck._world.tempdirs import remove_multiprocessing_tempdir
 from pipecheck._world.worker import (
     RankContext,
     TaskCall,
@@ -405,7 +409,8 @@ atexit.register(_close_live_worlds)
 
 
 def _clean_up_on_sigterm() -> None:
-    """Make SIGTERM to the driver clean up as Ctrl-C does: ranks stopped, temp folders removed.
+    """Make SIGTERM to the driver clean up as Ctrl-C does: ranks stopped, temp folders (the World's,
+    multiprocessing's) removed.
 
     Python's default SIGTERM ends the process without exit hooks; the ranks then notice their
     driver is gone, but the World's folder stays. Installed only from the main thread and only over
@@ -421,4 +426,5 @@ def _terminated(signum: int, frame: Any) -> None:
         if isinstance(world._ranks, SpawnedRanks):
             world._closed = True
             world._ranks.stop(graceful=False)
+    remove_multiprocessing_tempdir()  # no exit hook removes it: the process dies of the signal
     os.kill(os.getpid(), signal.SIGTERM)  # and die of it, as the sender expects (exit status -15)

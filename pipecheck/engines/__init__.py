@@ -5,8 +5,8 @@
     pc.engines.torchtitan.check(make_model, (tokens,), module_names_per_stage=[["tok_embeddings", ...], ...])
     pc.engines.megatron.check(make_model, (tokens,), n_microbatches=4, batch_p2p_comm=False)  # Megatron Core
 
-Each needs its engine installed (``pip install "pipecheck[deepspeed]"``,
-``"pipecheck[torchtitan]"``, ``"pipecheck[megatron]"``), and imports it only when a check runs.
+Each needs its engine installed (``pip install "torch-pipecheck[deepspeed]"``,
+``"torch-pipecheck[torchtitan]"``, ``"torch-pipecheck[megatron]"``), and imports it only when a check runs.
 The same engines also run any model pipecheck splits: ``pc.assert_equivalent(model,
 args, runner="deepspeed")``, ``runner="torchtitan"`` or ``runner="megatron"``.
 """

@@ -11,7 +11,7 @@
 pipecheck's split runs as Megatron model chunks through ``forward_backward_func`` and
 ``finalize_model_grads`` on pipecheck's World (CPU and gloo, or ``device="cuda"`` with one GPU per
 rank and NCCL); ``runner="megatron"`` is the same with
-Megatron Core's defaults. Needs ``pip install "pipecheck[megatron]"`` (megatron-core 0.16).
+Megatron Core's defaults. Needs ``pip install "torch-pipecheck[megatron]"`` (megatron-core 0.16).
 """
 
 from __future__ import annotations

@@ -82,9 +82,9 @@ def test_the_runtime_records_on_its_ranks_and_the_driver_locates_the_stage() -> 
 
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason='needs DeepSpeed: pip install "pipecheck[deepspeed]"')
+                                     reason='needs DeepSpeed: pip install "torch-pipecheck[deepspeed]"')
 needs_torchtitan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
-                                      reason='needs torchtitan: pip install "pipecheck[torchtitan]"')
+                                      reason='needs torchtitan: pip install "torch-pipecheck[torchtitan]"')
 
 
 def _engine_failure(check_it: Any) -> tuple[pc.Report, str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipecheck._cli.main import RUNNERS, classify
+from pipecheck._runners import registry
 from pipecheck.errors import (
     AdapterError,
     EngineError,
@@ -165,7 +166,7 @@ USAGE = [
                  "the model factory 'models:NOT_CALLABLE' is a int, not a function", id="not-callable"),
     pytest.param(["check", "models:make_model", "--input-shape", "8,x"], "--input-shape '8,x' is not a shape",
                  id="input-shape"),
-    pytest.param([*CHECK, "--runner", "refrence"], f"runner 'refrence' is not one of {', '.join(RUNNERS)}. "
+    pytest.param([*CHECK, "--runner", "refrence"], f"runner 'refrence' is not one of {', '.join(registry.RUNNERS)}. "
                  "Did you mean 'reference'?", id="runner-typo"),
     pytest.param([*CHECK, "--runner", "models:no_runner"], "module 'models' has no attribute 'no_runner' for "
                  "--runner", id="runner-path"),
@@ -296,11 +297,11 @@ def test_a_long_match_prints_its_first_rows_and_verbose_every_row(user_dir: Path
     assert len(every.stdout.splitlines()) == 2 + 2 + 54 and "left out" not in every.stdout
 
 
-def test_an_engine_error_exits_3(user_dir: Path) -> None:
+def test_an_engine_error_exits_3_in_one_line(user_dir: Path) -> None:
     result = run_cli([*CHECK, "--runner", "models:raising_runner"], user_dir)
     assert result.returncode == 3, result.stderr
-    assert first_line(result.stderr) == ("pipecheck: engine error: runner 'raising_runner' failed to run the job: "
-                                         "RuntimeError: my engine crashed")
+    assert result.stderr == ("pipecheck: engine error: runner 'raising_runner' failed to run the job: "
+                             "RuntimeError: my engine crashed. Fix: rerun with --traceback to see where it failed.\n")
 
 
 INTERNAL = ("import pipecheck._cli.main as cli\n"

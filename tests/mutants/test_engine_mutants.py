@@ -34,9 +34,9 @@ import _engine_models as em  # noqa: E402
 
 TIED = "tied parameter not synchronised"
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason='needs DeepSpeed: pip install "pipecheck[deepspeed]"')
+                                     reason='needs DeepSpeed: pip install "torch-pipecheck[deepspeed]"')
 needs_torchtitan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
-                                      reason='needs torchtitan: pip install "pipecheck[torchtitan]"')
+                                      reason='needs torchtitan: pip install "torch-pipecheck[torchtitan]"')
 
 
 class UntiedLayers(DeepSpeedLayersRunner):

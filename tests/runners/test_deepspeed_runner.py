@@ -1,7 +1,7 @@
 """runner="deepspeed" and pc.engines.deepspeed.check: DeepSpeed's PipelineEngine on pipecheck's World.
 
 Without DeepSpeed: how a split becomes a layer chain, and DeepSpeed's boundary rules checked in one
-process. With it (``pip install "pipecheck[deepspeed]"``): every zoo model through DeepSpeed,
+process. With it (``pip install "torch-pipecheck[deepspeed]"``): every zoo model through DeepSpeed,
 layer lists (tied specs, tuples, skips), what DeepSpeed cannot run refused before any rank
 starts, what it computes differently from eager failing the check, and a failure inside DeepSpeed
 as an EngineError naming the engine, rank and stage. The test that makes DeepSpeed fail on a
@@ -34,7 +34,7 @@ import _training_models as tm  # noqa: E402
 
 N_MICROBATCHES = 4
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason='needs DeepSpeed: pip install "pipecheck[deepspeed]"')
+                                     reason='needs DeepSpeed: pip install "torch-pipecheck[deepspeed]"')
 
 
 def _zoo_pipe(name: str) -> tuple[pc.Pipe, dict[str, Any]]:

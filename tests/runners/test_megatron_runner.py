@@ -1,5 +1,5 @@
 """runner="megatron": Megatron Core's pipeline schedules (1F1B, interleaved) on CPU and gloo, with
-what Megatron cannot run refused before any rank starts. Needs ``pip install "pipecheck[megatron]"``
+what Megatron cannot run refused before any rank starts. Needs ``pip install "torch-pipecheck[megatron]"``
 for the checks that run it; the refusals run without it."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ranks unpickle _
 import _megatron_models as mm  # noqa: E402
 
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                    reason='needs megatron-core: pip install "pipecheck[megatron]"')
+                                    reason='needs megatron-core: pip install "torch-pipecheck[megatron]"')
 TOKENS = torch.randint(0, 16, (8, 5), generator=torch.Generator().manual_seed(0))
 X = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
 
@@ -208,7 +208,7 @@ def test_chunks_megatron_cannot_run_are_refused_before_any_rank_starts(provider:
                                                                        error: type[Exception], message: str,
                                                                        request: pytest.FixtureRequest) -> None:
     if importlib.util.find_spec("megatron") is None and request.node.callspec.id in MEGATRON_ONLY:
-        pytest.skip('needs megatron-core: pip install "pipecheck[megatron]"')
+        pytest.skip('needs megatron-core: pip install "torch-pipecheck[megatron]"')
     with pytest.raises(error, match=re.escape(message)):
         _chunks_check(provider, **options)
 

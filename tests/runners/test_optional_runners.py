@@ -52,7 +52,7 @@ def test_an_optional_runner_is_listed_only_when_its_engine_is_installed(installe
 def test_an_engine_that_is_not_installed_is_an_input_error_with_the_fix(installed: Any, name: str) -> None:
     installed()
     with pytest.raises(pc.InputError, match=rf'runner={name!r} needs {name}, which is not installed. Fix: pip '
-                                            rf'install "pipecheck\[{name}\]"'):
+                                            rf'install "torch-pipecheck\[{name}\]"'):
         resolve_runner(name)
 
 
@@ -63,7 +63,7 @@ def test_an_unknown_runner_lists_the_optional_ones_too() -> None:
 
 def test_the_zoo_exit_code_counts_only_pipecheck_s_own_runners(capsys: pytest.CaptureFixture[str]) -> None:
     if not _optional_runners.OPTIONAL["torchtitan"].available():
-        pytest.skip('needs torchtitan: pip install "pipecheck[torchtitan]"')
+        pytest.skip('needs torchtitan: pip install "torch-pipecheck[torchtitan]"')
     # torchtitan cannot cut nested_spec (refused in this process, before any World): an ERROR cell,
     # and the command still succeeds.
     assert main(["zoo", "--models", "nested_spec", "--runners", "reference,torchtitan"]) == 0
@@ -86,7 +86,7 @@ def test_the_cli_names_the_pip_command_for_an_engine_not_installed(
     assert main([part.format(name=name) for part in command]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"pipecheck: input error: runner={name!r} needs {name}, which is not installed. "
-                          f'Fix: pip install "pipecheck[{name}]"'), err
+                          f'Fix: pip install "torch-pipecheck[{name}]"'), err
 
 
 @pytest.mark.parametrize("name,canonical", [

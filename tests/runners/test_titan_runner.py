@@ -1,7 +1,7 @@
 """runner="torchtitan" and pc.engines.torchtitan.check: torchtitan's module split and schedule builder.
 
 Without torchtitan: module names derived from pipecheck's cut, names torchtitan would silently
-ignore, ModuleList renumbering mapped back. With it (``pip install "pipecheck[torchtitan]"``):
+ignore, ModuleList renumbering mapped back. With it (``pip install "torch-pipecheck[torchtitan]"``):
 models written the torchtitan way match eager under 1F1B, GPipe, interleaved and "V" schedules;
 what torchtitan computes wrong without an error (tied weights, parameters of the root module, a
 value the forward does not pass along) fails the check; a forward that cannot run without a
@@ -101,7 +101,7 @@ def test_schedule_names(schedule: str, per_rank: int, expected: str) -> None:
 # --- with torchtitan ---------------------------------------------------------------------------------------
 
 needs_torchtitan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
-                                      reason='needs torchtitan: pip install "pipecheck[torchtitan]"')
+                                      reason='needs torchtitan: pip install "torch-pipecheck[torchtitan]"')
 TWO = {"layers.2": BEGIN}
 FOUR = {"layers.1": BEGIN, "layers.2": BEGIN, "layers.3": BEGIN}
 

@@ -266,6 +266,23 @@ def test_non_tensor_arguments_that_arrive_as_copies_are_the_traced_ones(monkeypa
     assert rank.bind_inputs(copies).keys() == {"x"}
 
 
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_graph_calling_an_importable_autograd_function_travels_by_its_class(tracer: str) -> None:
+    import _odd_models
+
+    pipe = pc.split(_odd_models.ReversedHangsOnRank1(), (torch.randn(4, 4),),
+                    split_spec={"b": pc.SplitPoint.BEGINNING}, tracer=tracer)
+    data = pipe.recipe.dumps()
+    assert data is not None  # no rank traces the model again
+    recipe = SplitRecipe.load(data, CPU)
+    assert recipe is not None
+
+    def calls(rows: Any) -> list[Any]:
+        return [row[2] for row in rows if getattr(row[2], "autograd_function", None) is not None]
+
+    assert calls(recipe.nodes) == calls(pipe.recipe.nodes) and len(calls(recipe.nodes)) == 1  # the same object
+
+
 def test_the_recipe_names_torchs_operators_by_name() -> None:
     pipe, *_ = _driver_split("titan_lm", "spec", "export")
     _devices, payload = pickle.loads(pipe.recipe.dumps())

@@ -133,9 +133,12 @@ def test_rank_that_hangs_times_out_with_every_ranks_stack(world: World) -> None:
     error = caught.value
     assert error.ranks == (1,)
     message = str(error)
+    assert error.hung == 1
     assert message.startswith(
-        "task _world_jobs.hang_on_rank did not finish within 5 s on rank(s) 1 of 2."
+        "task _world_jobs.hang_on_rank did not finish within 5 s: rank 1 of 2 hung, in stage 2 (action '2F0').\n"
+        "Python stack of rank 1, where it hung:\n"
     )
+    assert message.index("in sleep_forever") < message.index("--- rank 0 (finished) ---")  # its stack first
     assert "rank 0: finished\nrank 1: still running, stage 2 (action '2F0')" in message
     assert "in sleep_forever" in error.stacks[1] and "in hang_on_rank" in error.stacks[1]
     assert "in worker_main" in error.stacks[0]  # the idle rank's stack is there too

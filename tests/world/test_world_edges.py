@@ -3,6 +3,7 @@ owned per user, layouts unpickled only under the World's key, a zombie driver co
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
@@ -18,7 +19,7 @@ import torch.nn as nn
 
 import pipecheck as pc
 
-# private: the runtime's links are built on a World; hung_rank reads a World's timeout
+# private: the runtime's links are built on a World
 from pipecheck._runtime.comm import Links, layout_of
 from pipecheck._world.spawn import EXIT_STATUS_WAIT_S, KILL_GRACE_S, await_exit_status
 from pipecheck._world.tempdirs import TMPDIR_PREFIX, sweep_stale_tmpdirs
@@ -154,13 +155,15 @@ def _links(secret: bytes) -> Links:
 def test_a_layout_without_the_world_s_tag_is_refused_before_it_is_unpickled() -> None:
     receiver = _links(b"k" * 32)
     channel = next(iter(receiver.channel_ids))
-    for forged in (b"\0" * 32 + pickle.dumps(_Planted()), _links(b"other key").signed(pickle.dumps(_Planted())),
+    tag = 1
+    for forged in (b"\0" * 32 + pickle.dumps(_Planted()), _links(b"other key").signed(pickle.dumps(_Planted()), tag),
+                   _links(b"k" * 32).signed(pickle.dumps(_Planted()), tag + 64),  # another message's tag
                    b"garbage"):
         with pytest.raises(pc.EngineError, match="failed authentication: it was not sent by a rank of this World"):
-            receiver.verified(forged, channel, 0)
+            receiver.verified(forged, channel, 0, tag)
     assert not _Planted.ran
     layout = pickle.dumps(layout_of(torch.zeros(2, 4)))
-    assert receiver.verified(_links(b"k" * 32).signed(layout), channel, 0) == layout
+    assert receiver.verified(_links(b"k" * 32).signed(layout, tag), channel, 0, tag) == layout
 
 
 def test_ranks_of_a_world_share_its_key_and_run_the_pipeline() -> None:
@@ -276,9 +279,42 @@ def test_an_engine_hang_names_the_rank_that_hung_not_one_waiting_for_it() -> Non
     assert "(rank 1 hung (0 waiting for it), stuck;" in str(info.value).splitlines()[0]
 
 
-def test_the_hung_rank_is_the_one_whose_main_thread_is_not_in_torch_distributed() -> None:
-    from pipecheck._runners.base import hung_rank
-    from pipecheck.errors import RankTimeoutError
+def test_a_hang_on_a_reused_split_with_an_autograd_function_is_one_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split reused from an earlier check calls a custom autograd.Function: a hang is one timeout (it was
+    taken for a changed model and the check ran again: two timeouts)."""
+    import _odd_models
+
+    # private: counted where every World engine runs its ranks
+    from pipecheck._runners.engine import EngineRunner
+
+    runs = []
+    real = EngineRunner.run
+    monkeypatch.setattr(EngineRunner, "run", lambda self, *args: runs.append(1) or real(self, *args))
+    check = functools.partial(pc.assert_equivalent, _odd_models.ReversedHangsOnRank1, (torch.randn(4, 4),),
+                              split_spec={"b": pc.SplitPoint.BEGINNING}, n_microbatches=2, tracer="fx")
+    check(runner="reference")
+    with pytest.raises(pc.EngineError, match=r"did not finish within 5 s \(rank 1 hung"):
+        check(runner="torch", timeout=5)
+    assert runs == [1]
+
+
+def test_the_default_runner_s_timeout_names_the_hung_rank_and_its_stack_first() -> None:
+    import _odd_models
+
+    with pytest.raises(pc.RankTimeoutError) as info:
+        pc.assert_equivalent(_odd_models.HangsInStage1, (torch.randn(4, 4),),
+                             split_spec={"b": pc.SplitPoint.BEGINNING}, n_microbatches=2, timeout=8, tracer="fx")
+    message = str(info.value)
+    assert info.value.hung == 1, message
+    assert message.splitlines()[0].endswith(": rank 1 of 2 hung, in stage 1 (action '1F0') "
+                                            "(rank(s) 0 waiting for it)."), message
+    assert message.splitlines()[1] == "Python stack of rank 1, where it hung:"
+    assert message.index("in _sleep_on_rank_1") < message.index("--- rank 0 (still running) ---")
+    assert "Fix what rank 1 is doing first" in message
+
+
+def test_the_hung_rank_is_the_one_whose_main_thread_is_not_in_communication() -> None:
+    from pipecheck._world.faults import hung_rank
 
     sep = os.sep
     waiting = ("Thread 0x01 (most recent call first):\n  <no Python frame>\n"
@@ -287,9 +323,13 @@ def test_the_hung_rank_is_the_one_whose_main_thread_is_not_in_torch_distributed(
                ", line 1 in recv\n  File \"/x/torch/distributed/pipelining/schedules.py\", line 2 in step\n")
     hung = waiting.replace(f"/x/torch{sep}distributed{sep}distributed_c10d.py\", line 1 in recv",
                            "/home/me/model.py\", line 7 in forward")
-    assert hung_rank(RankTimeoutError("", (0, 1), {0: waiting, 1: hung}, 15.0)) == 1
-    assert hung_rank(RankTimeoutError("", (0, 1), {0: hung, 1: hung}, 15.0)) is None  # two: no guess
-    assert hung_rank(RankTimeoutError("", (0, 1), {0: waiting, 1: waiting}, 15.0)) is None
+    assert hung_rank((0, 1), {0: waiting, 1: hung}) == 1
+    assert hung_rank((0, 1), {0: hung, 1: hung}) is None  # two: no guess
+    assert hung_rank((0, 1), {0: waiting, 1: waiting}) is None
+    # pipecheck's runtime waits on a posted receive: work.wait() is C, its innermost Python frame is comm.py
+    in_runtime = waiting.replace(f"/x/torch{sep}distributed{sep}distributed_c10d.py\", line 1 in recv",
+                                 f"/x/pipecheck{sep}_runtime{sep}comm.py\", line 235 in _wait")
+    assert hung_rank((0, 1), {0: in_runtime, 1: hung}) == 1
 
 
 def test_ranks_that_died_between_tasks_are_named_before_a_task_is_sent() -> None:

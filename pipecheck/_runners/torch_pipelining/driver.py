@@ -75,6 +75,7 @@ from pipecheck._runners.torch_pipelining.rank import (
 from pipecheck._runners.torch_pipelining.train import train_torch
 from pipecheck._runtime.boundaries import Boundaries
 from pipecheck._schedule.torch_classes import TORCH_SCHEDULES, torch_layout
+from pipecheck._split.checkpoints import reentrant_regions
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.markers import SplitPoint
 from pipecheck._split.microbatch import split_microbatches, unwrap_replicated
@@ -305,6 +306,11 @@ def unrunnable_by_torch(job: Job, pipe: Pipe) -> list[str]:
     every schedule and torch version pipecheck supports. (torch's refusal of skip connections is not
     predicted here: whether a value crosses more than one stage depends on torch's own split.)"""
     problems = []
+    if any(reentrant_regions(stage.module) for stage in pipe.stages):
+        problems.append("torch.utils.checkpoint(..., use_reentrant=True) cannot be traced by torch.export, which "
+                        "torch's pipeline() traces the model with (\"found non-fx-graphable type\": the checkpointed "
+                        "function is an argument); pipecheck's runners recompute it. Fix: use_reentrant=False (HF: "
+                        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))")
     first = {src.name for src in pipe.stages[0].inputs if src.stage is None}
     for key in job.kwargs:
         later = [stage.index for stage in pipe.stages[1:] if any(src.stage is None and src.name == key

@@ -47,6 +47,7 @@ from pipecheck._runners.torchtitan.rank import (
 )
 from pipecheck._runtime.boundaries import Boundaries, chain_producers
 from pipecheck._schedule.names import SCHEDULES, schedule_named
+from pipecheck._split.checkpoints import stage_nodes
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import Replicated, split_microbatches
 from pipecheck._split.pipe import Pipe
@@ -97,7 +98,7 @@ def module_names_per_stage(model: nn.Module, pipe: Pipe) -> list[list[str]]:
     inside: dict[str, dict[int, set[str]]] = {}
     for stage in pipe.stages:
         units: list[str] = []
-        for node in stage.module.graph.nodes:
+        for node in stage_nodes(stage.module):  # a checkpointed region's calls are the stage's
             if node.op not in ("call_module", "get_attr") or (node.op == "get_attr" and not _is_tensor(stage, node)):
                 continue
             path = str(node.target)
