@@ -255,7 +255,7 @@ def _reference_variants(job: Job, eager: StepResult, seed: int, notes: list[str]
         runs.append((runs[0][0], 1 if threads > 1 else 2))
     for accumulation, count in runs:
         args, kwargs, target = cast_inputs((job.args, job.kwargs, job.target), None, None, copy=True)
-        with _threads(count), seeded(seed):
+        with intra_op_threads(count), seeded(seed):
             step = DetachExecutor(job.split(), accumulation=accumulation, precision=job.precision).step(
                 args, kwargs, loss_fn=job.loss_fn, target=target, n_microbatches=job.n_microbatches)
         differs = forward_difference(step, eager)
@@ -269,7 +269,7 @@ def _reference_variants(job: Job, eager: StepResult, seed: int, notes: list[str]
 
 
 @contextmanager
-def _threads(count: int) -> Iterator[None]:
+def intra_op_threads(count: int) -> Iterator[None]:
     """torch's intra-op threads set to ``count`` for the block."""
     kept = torch.get_num_threads()
     torch.set_num_threads(count)
