@@ -277,7 +277,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
                     left_out + anchor_notes + notes, pipe.tracer, precision=precision.describe())
     if not report.ok and tolerance == "auto" and anchored == tolerance:  # anchored on float64: its own rounding
         with clock("rounding_s"):  # a re-ordering of the same math moves a failing row as far: not evidence
-            report.rows, excused = rounding_excused(report.rows, job, eager, seed)
+            report.rows, excused = rounding_excused(report.rows, job, seed)
         report.notes.extend(excused)
     _judge_blind(report, tolerance)
     if not report.ok:

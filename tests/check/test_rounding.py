@@ -23,16 +23,16 @@ def _row(name: str, max_abs: float, bound: float = 1.0, ok: bool = False) -> Row
 
 
 def test_a_failure_within_rounding_becomes_blind_and_one_beyond_it_stays(monkeypatch: Any) -> None:
-    monkeypatch.setattr(rounding, "_rounding_noise", lambda job, eager, seed, names: {
+    monkeypatch.setattr(rounding, "_rounding_noise", lambda job, seed, names: {
         "grad a": 0.3, "grad b": 0.3, "grad c": 0.0})
     rows = [_row("grad a", 1.5), _row("grad b", 1.7), _row("grad c", 1.1), _row("grad d", 0.5, ok=True)]
-    got, notes = rounding.rounding_excused(rows, None, None, 0)  # type: ignore[arg-type]
+    got, notes = rounding.rounding_excused(rows, None, 0)  # type: ignore[arg-type]
     by_name = {row.name: row for row in got}
     assert by_name["grad a"].ok and by_name["grad a"].blind and by_name["grad a"].power == pytest.approx(0.16)
     assert not by_name["grad b"].ok and not by_name["grad c"].ok  # beyond bound + 2 x noise; no noise at all
     assert by_name["grad d"] is rows[3]
     assert notes == ["1 tensor (grad a) failed by less than a re-ordering of the same math moves them (pipecheck's "
-                     "reference on another thread count, or with its sums reversed, against eager): rounding of an "
+                     "reference on another thread count, or with its sums reversed, against itself): rounding of an "
                      "ill-conditioned step, not evidence; they certify nothing"]
 
 
