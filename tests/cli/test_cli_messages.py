@@ -6,6 +6,7 @@ there."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,15 +116,20 @@ def test_torch_s_failure_on_the_command_line_is_one_line_and_traceback_adds_the_
     args = ["check", "my_model:Model", "--input-shape", "8,4", "--runner", "torch"]
     result = run_cli(args, user_dir)
     assert result.returncode == 3, result.stderr
-    assert pipecheck_lines(result.stderr) == [
-        "pipecheck: engine error: Backward of skip connections not supported yet. torch.distributed.pipelining "
-        "failed on rank 0, stage 0, in schedule.step; schedule '1f1b', n_microbatches=4, stages_per_rank=1. Fix: "
-        "rerun with --traceback to see rank 0's traceback, where it failed."], result.stderr
+    # torch 2.15 raises its own PipeliningMetadataError (shown by its message), torch 2.10 a bare AssertionError
+    # (shown with its type, as Python prints it)
+    [line] = pipecheck_lines(result.stderr)
+    assert re.fullmatch(
+        r"pipecheck: engine error: (AssertionError: )?Backward of skip connections not supported yet\. "
+        r"torch\.distributed\.pipelining failed on rank 0, stage 0, in schedule\.step; schedule '1f1b', "
+        r"n_microbatches=4, stages_per_rank=1\. Fix: rerun with --traceback to see rank 0's traceback, where it "
+        r"failed\.", line), result.stderr
     followed = run_cli([*args, "--traceback"], user_dir)
     assert followed.returncode == 3
     lines = pipecheck_lines(followed.stderr)
-    assert lines[0] == "Traceback (most recent call last):" and lines[-1] == pipecheck_lines(result.stderr)[0]
-    assert "Traceback on rank 0:" in lines and "PipeliningMetadataError" in followed.stderr
+    assert lines[0] == "Traceback (most recent call last):" and lines[-1] == line
+    assert "Traceback on rank 0:" in lines
+    assert "PipeliningMetadataError" in followed.stderr or "AssertionError" in followed.stderr
 
 
 # --- a model given by its file --------------------------------------------------------------------
