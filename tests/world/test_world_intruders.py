@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from pipecheck._world.handshake import _socket_inodes
 from pipecheck._world.world import World
 from pipecheck.errors import WorldStartError
 
@@ -32,19 +33,12 @@ LINUX = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="finds th
 
 
 def _listening_ports(pids: tuple[int, ...]) -> set[int]:
-    inodes = set()
+    inodes: set[str] = set()
     for pid in pids:
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            inodes |= _socket_inodes(pid)
         except OSError:
             continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:[") : -1])
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as lines:
