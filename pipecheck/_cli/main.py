@@ -291,10 +291,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _shadowing_folder() -> str | None:
+    """A folder named ``pipecheck`` without ``__init__.py`` on ``sys.path`` (the working directory first) that
+    Python took for an empty namespace package named pipecheck, hiding the installed one."""
+    import pipecheck
+
+    if getattr(pipecheck, "__file__", None) is not None:
+        return None
+    return next(iter(getattr(pipecheck, "__path__", [])), "?")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return its exit status (never raises, except SystemExit from --help)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--traceback" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    shadow = _shadowing_folder()
+    if shadow is not None:
+        print(f"pipecheck: usage error: Python imported the folder {shadow} as the package 'pipecheck' (it has no "
+              "__init__.py: a checkout's root, run from the folder above it), not the installed pipecheck. Fix: "
+              "run from another folder (inside the checkout, say), or rename that folder.", file=sys.stderr)
+        return 2
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv

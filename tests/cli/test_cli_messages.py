@@ -185,3 +185,22 @@ def test_a_file_whose_module_name_is_taken_is_named(tmp_path: Path) -> None:
                                     "as 'argparse' gave "), result.stderr
     assert result.stderr.endswith("another module of that name, already imported or earlier on sys.path. Fix: "
                                   "rename argparse.py.\n")
+
+
+# --- a folder named pipecheck in the way ----------------------------------------------------------
+
+
+def test_a_folder_named_pipecheck_that_hides_the_install_is_named(tmp_path: Path) -> None:
+    """A checkout's root (no __init__.py) in the working directory: Python imports it as an empty namespace
+    package where pipecheck is installed by a finder (pip install -e), and the command said it was a bug."""
+    (tmp_path / "pipecheck").mkdir()
+    found = subprocess.run([sys.executable, "-c", "import pipecheck; print(pipecheck.__file__)"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    if found.stdout.strip() != "None":
+        pytest.skip(f"pipecheck is found before the folder here ({found.stdout.strip()}): nothing hides it")
+    result = run_cli(["zoo"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert pipecheck_lines(result.stderr) == [
+        f"pipecheck: usage error: Python imported the folder {tmp_path / 'pipecheck'} as the package 'pipecheck' "
+        "(it has no __init__.py: a checkout's root, run from the folder above it), not the installed pipecheck. "
+        "Fix: run from another folder (inside the checkout, say), or rename that folder."]
