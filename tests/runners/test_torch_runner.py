@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn as nn
 from _torch_findings import SKIP
 from pipecheck.fixtures import get
 
@@ -388,3 +389,27 @@ def test_a_bare_assert_inside_torch_is_named_by_where_it_was_raised() -> None:
     message, context = torch_message(error)
     assert message.startswith("AssertionError (raised at ") and message.endswith(" in run_from)"), message
     assert "test_torch_runner.py:" in message and context is None
+
+
+class InPlaceAfterTheCut(nn.Module):
+    """A correct model whose second stage begins with an in-place op on the value it receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        pc.pipe_split()
+        h += 1.0
+        return self.b(torch.relu(h))
+
+
+def test_an_in_place_op_on_a_received_value_is_named_as_torchs_bug(pipecheck_world: Any) -> None:
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    assert pc.assert_equivalent(InPlaceAfterTheCut, (x,), n_microbatches=2, world=pipecheck_world(2)).ok
+    with pytest.raises(pc.EngineError) as caught:
+        pc.assert_equivalent(InPlaceAfterTheCut, (x,), n_microbatches=2, runner="torch", world=pipecheck_world(2))
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "RuntimeError: a leaf Variable that requires grad is being used in an in-place operation.", lines
+    assert lines[1].startswith("This is torch.distributed.pipelining's bug, not your model's: it hands a stage"), lines

@@ -288,6 +288,11 @@ TORCH_BUGS = {
         "pytorch/pytorch#62283). A value handed on at the cut is a view (a transpose, an expand, a slice). "
         "Fix: make it contiguous before the cut (.contiguous()), or cut elsewhere; runner='distributed' sends it "
         "as it is.\n"),
+    "a leaf Variable that requires grad is being used in an in-place operation": (
+        "This is torch.distributed.pipelining's bug, not your model's: it hands a stage the activations it receives "
+        "as leaf tensors that require grad, and an in-place op on one at the start of the stage (x += ..., "
+        "ReLU(inplace=True), a residual add_) fails there, where eager ran it on a computed value. Fix: cut "
+        "elsewhere (not just before an in-place op), or make that op out of place; runner='distributed' runs it.\n"),
 }
 """torch's failures that are known bugs of torch.distributed.pipelining (the words of its message -> a line
 saying so, and the way round it)."""
