@@ -24,6 +24,7 @@ import torch.nn as nn
 
 _SCALARS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 _NOT_WALKED = frozenset({"torch", "pipecheck", "builtins", *sys.stdlib_module_names})
+_MISSING = object()  # not a scalar: an attribute a module does not have is not read from it
 _LIMIT = 5000  # functions walked at most (a model library's whole call graph is far smaller)
 
 
@@ -73,10 +74,11 @@ def code_reads(model: nn.Module) -> tuple[Any, ...]:
             value = function.__globals__[name]
             reads.append((function.__module__, name, _kept(value)))
             if isinstance(value, types.ModuleType) and _walked_module(value.__name__):  # config.SCALE: what it names
-                for attribute in names:
-                    if attribute != name and isinstance(getattr(value, attribute, None), (*_SCALARS, types.FunctionType)):
-                        reads.append((value.__name__, attribute, _kept(getattr(value, attribute))))
-                        todo.extend(_function_list(getattr(value, attribute)))
+                for attribute in names:  # names the module lacks are another object's attributes (self.b)
+                    named = getattr(value, attribute, _MISSING)
+                    if attribute != name and isinstance(named, (*_SCALARS, types.FunctionType)):
+                        reads.append((value.__name__, attribute, _kept(named)))
+                        todo.extend(_function_list(named))
             todo.extend(_function_list(value))
         for i, cell in enumerate(function.__closure__ or ()):
             try:

@@ -315,25 +315,16 @@ def test_a_reused_split_of_a_model_with_a_custom_function_is_seen_to_hold(tracer
     assert hits[0].still_traced_the_same() is True
 
 
-class Reverse(torch.autograd.Function):
-    """A gradient reversal: a custom Function the graph calls by its class."""
-
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        return -grad
-
-
 class Reversed(nn.Module):
+    """Reads its Function through a module of the user's (`_odd_models.Reverse`): forward's reads of a module's
+    names that the module lacks (``self.b``) once made the reuse key fail, and no split was ever reused."""
+
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(Reverse.apply(self.a(x)))
+        return self.b(_odd_models.Reverse.apply(self.a(x)))
 
 
 @pytest.mark.parametrize("tracer", ["fx", "export"])
