@@ -62,7 +62,7 @@ _EXPORTS: dict[str, str] = {
     "split": "pipecheck._split.pipe",
     "split_microbatches": "pipecheck._split.microbatch",
 }
-_SUBMODULES = ("engines", "errors", "losses", "policies", "schedules", "strategies")
+_SUBMODULES = ("engines", "errors", "losses", "policies", "randomness", "schedules", "strategies")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
@@ -83,7 +83,7 @@ def __dir__() -> list[str]:
 
 
 if typing.TYPE_CHECKING:
-    from pipecheck import engines, errors, losses, policies, schedules, strategies
+    from pipecheck import engines, errors, losses, policies, randomness, schedules, strategies
     from pipecheck._check.equivalence import assert_equivalent
     from pipecheck._check.numerics import Tolerance
     from pipecheck._check.report import Report

@@ -245,20 +245,18 @@ class FreshRecompute:
     def train(self, job: pc.Job) -> list[pc.StepResult]:
         import dataclasses
 
-        # private: the contract's own contexts, to plant the engine's bug
-        from pipecheck._runtime.randomness import follow, microbatch, schedule_step
+        # private: the position contexts pipecheck's own runners draw under (pc.randomness.drawing inside)
+        from pipecheck._runtime.randomness import schedule_step
 
         class Recomputing(pc.DetachExecutor):
             def backward_microbatch(self, mb, forwards, *rest):  # type: ignore[no-untyped-def]
-                with microbatch(mb + 1000):  # the bug: not the forward's key
-                    forwards = [dataclasses.replace(fwd, outputs=tuple(stage.module(*fwd.inputs)))
-                                if stage.index < len(forwards) - 1 else fwd
-                                for stage, fwd in zip(self.pipe.stages, forwards)]
+                # the bug: the recompute draws from torch's RNG as it is now, not inside pc.randomness.drawing
+                forwards = [dataclasses.replace(fwd, outputs=tuple(stage.module(*fwd.inputs)))
+                            if stage.index < len(forwards) - 1 else fwd
+                            for stage, fwd in zip(self.pipe.stages, forwards)]
                 return super().backward_microbatch(mb, forwards, *rest)
 
         pipe = job.split()
-        for stage in pipe.stages:
-            follow(stage.module, job.training.dropout)
         results = []
         for t, batches in enumerate(job.optimizer_steps()):
             reduction = Reduction.of(job.training.loss_reduction, [b.target for b in batches], job.n_microbatches)

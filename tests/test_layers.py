@@ -22,7 +22,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("_core", "errors"),
     "split": ("_split", "losses", "policies"),
     "world": ("_world",),
-    "runtime": ("_runtime", "_schedule", "schedules"),
+    "runtime": ("_runtime", "_schedule", "schedules", "randomness"),
     "runners": ("_runners",),
     "check": ("_check", "strategies", "engines"),
     "faces": ("__init__", "__main__", "_cli", "plugin"),

@@ -24,7 +24,12 @@ from pipecheck._check.eager import _call
 from pipecheck._check.numerics import AUTO_FLOOR_EPS
 from pipecheck._split.inputs import Inputs
 from pipecheck._split.microbatch import split_microbatches
-from pipecheck._split.model_factory import buffers_kept, rng_fingerprint, seeded
+from pipecheck._split.model_factory import (
+    buffers_kept,
+    is_default_generator,
+    rng_fingerprint,
+    seeded,
+)
 from pipecheck.errors import InputError
 
 
@@ -96,23 +101,9 @@ class _Draws(TorchDispatchMode):
             self.ops.add(f"{func.namespace}.{func._opname}")
             for leaf in pytree.tree_leaves((args, kwargs)):
                 if (isinstance(leaf, torch.Generator) and all(leaf is not g for g, _ in self.generators)
-                        and not _is_default(leaf)):
+                        and not is_default_generator(leaf)):
                     self.generators.append((leaf, leaf.get_state()))
         return func(*args, **kwargs)
-
-
-def _is_default(generator: torch.Generator) -> bool:
-    """Whether ``generator`` is its device's default one, passed explicitly (the dispatcher hands over
-    a new Python object for it: told apart by its state, which a generator of one's own matches only
-    if seeded and drawn alike)."""
-    if generator.device.type == "cpu":
-        default = torch.default_generator
-    elif generator.device.type == "cuda":
-        default = torch.cuda.default_generators[generator.device.index or 0]
-    else:
-        return False
-    return generator.initial_seed() == default.initial_seed() and torch.equal(generator.get_state(),
-                                                                              default.get_state())
 
 
 def _random_outputs(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> str:
@@ -215,10 +206,12 @@ def _random_model_error(model: nn.Module, why: str, written: list[str]) -> Input
             "or keep a value that forward must update in a buffer."
         )
     return InputError(
-        f"{type(model).__name__} is not deterministic: {why} (dropout, stochastic depth or another random op "
-        "in train mode, or a generator, random module or call counter of its own?). No pipeline can match it, "
-        "and pipecheck does not compare random draws. Fix: check the model in eval mode (model.eval()) or "
-        "without its random ops."
+        f"{type(model).__name__} is not deterministic: {why} (a torch.Generator, Python's random or NumPy's of "
+        "its own, a call counter, or a random op the split does not show?). pipecheck's randomness contract "
+        "replays only what stages draw from torch's default generators, so no pipeline can be compared with "
+        "it. Fix: draw from torch's default generator (torch.rand(...), dropout, bernoulli_ without "
+        "generator=): the contract then checks the engine's randomness too (docs/randomness.md). "
+        "model.eval() (or the model without its random ops) checks the deterministic model only."
     )
 
 

@@ -31,9 +31,10 @@ from pipecheck._check.eager import buffers_kept, check_finite, eager_step, resul
 from pipecheck._check.in_driver import in_driver
 from pipecheck._check.localise import ReferenceByMicrobatch, locate, not_located
 from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_tolerance
+from pipecheck._check.random_ops import with_randomness
 from pipecheck._check.report import Report, percent
 from pipecheck._check.rounding import rounding_excused
-from pipecheck._check.training import check_training, refuse_one_call, with_dropout
+from pipecheck._check.training import check_training, refuse_one_call
 from pipecheck._check.truth64 import float64_truth
 from pipecheck._core.precision import Precision, resolve_precision
 from pipecheck._core.result import StepResult
@@ -219,7 +220,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     check_split = getattr(run, "check_split", None)
     if check_split is not None:  # a runner's refusal of this split, before any eager work
         check_split(pipe)
-    training = with_dropout(training, built, pipe, run, runner_name, seed)  # dropout: pipecheck draws the masks
+    training = with_randomness(training, pipe, run, runner_name, seed)  # random ops: drawn by the contract
     if not training.plain or given_batches:
         job = Job(model=factory, args=inputs.args, kwargs=inputs.kwargs, split_spec=split_spec, policy=policy,
                   tracer=tracer, loss_fn=loss_fn, target=inputs.target, n_microbatches=n_microbatches,

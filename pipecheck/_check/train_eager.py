@@ -28,7 +28,7 @@ from pipecheck._check.eager import _call, _detached, _gradients
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, Training
 from pipecheck._runtime.optimizer import build_optimizer
-from pipecheck._runtime.randomness import follow, microbatch, schedule_step
+from pipecheck._runtime.randomness import microbatch, schedule_step
 from pipecheck._split.inputs import Inputs, _copied, cast_inputs, cast_module, prepare_inputs
 from pipecheck._split.microbatch import merge_microbatches, shard_batch, split_microbatches
 from pipecheck.errors import InputError
@@ -61,7 +61,6 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
     steps and replicas), and each schedule step's weighted micro-batch losses, add up as it says (a
     legitimate re-ordering of the same training). Returns one result per optimizer step and the targets
     used."""
-    follow(model, training.dropout)  # a private copy: its dropout draws by pipecheck's contract
     seed = training.random_seed
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(training.optimizer, [p for _, p in params]) if training.optimizer else None

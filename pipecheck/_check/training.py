@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 from pipecheck._check.anchor import low_precision, training_anchor
 from pipecheck._check.determinism import check_deterministic
 from pipecheck._check.diagnose import diagnose_grad, matches
+from pipecheck._check.draws import Replay, record_draws
 from pipecheck._check.eager import check_finite, output_name
 from pipecheck._check.numerics import Row, ToleranceLike, compare, judge_power
 from pipecheck._check.report import Report
@@ -42,14 +43,7 @@ from pipecheck._check.train_eager import (
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, Training
 from pipecheck._runners.job import Job
-from pipecheck._runtime.randomness import (
-    active_dropout,
-    follow,
-    microbatch,
-    restart_calls,
-    schedule_step,
-)
-from pipecheck._split.checkpoints import stage_nodes
+from pipecheck._runtime.randomness import microbatch, schedule_step
 from pipecheck._split.inputs import Inputs, cast_module
 from pipecheck._split.model_factory import seeded
 from pipecheck._split.pipe import Pipe
@@ -70,37 +64,6 @@ def refuse_one_call(run: Any, runner_name: str, training: Training) -> Callable[
                      "runner='distributed', or give your runner a train method (docs/training.md).")
 
 
-def with_dropout(training: Training, model: torch.nn.Module, pipe: Pipe, run: Any, runner_name: str,
-                 seed: int) -> Training:
-    """``training`` with the model's dropout drawn by pipecheck's randomness contract, or an InputError
-    saying why it cannot be (before any eager work); ``training`` itself when the model draws nothing."""
-    dropout, _ = active_dropout(model)
-    if not dropout:
-        return training
-    named = ", ".join(dropout[:4]) + (f" and {len(dropout) - 4} more" if len(dropout) > 4 else "")
-    what = f"{type(model).__name__} has dropout in train mode ({named})"
-    if not getattr(run, "follows_random_contract", False):
-        raise InputError(f"{what}, and runner {runner_name!r} draws its own masks, which no check can line up with "
-                         "eager's. Fix: check the model in eval mode (model.eval()), or with runner='reference' or "
-                         "runner='distributed', which draw every mask by pipecheck's randomness contract "
-                         "(docs/training.md#randomness).")
-    if pipe.tracer != "fx":
-        raise InputError(f"{what}, and torch.export traced it, which inlines a dropout module into its ops: "
-                         "pipecheck's randomness contract keys each mask by the module. Fix: tracer='fx', or "
-                         "model.eval().")
-    stages: dict[str, set[int]] = {}
-    for stage in pipe.stages:
-        for node in stage_nodes(stage.module):  # a checkpointed region's calls are the stage's
-            if node.op == "call_module" and node.target in dropout:
-                stages.setdefault(str(node.target), set()).add(stage.index)
-    problems = [f"{fqn} is called on stages {sorted(found)}" for fqn, found in stages.items() if len(found) > 1]
-    problems += [f"{fqn} is not a module call in the split (traced through)" for fqn in dropout if fqn not in stages]
-    if problems:
-        raise InputError(f"{what}, and pipecheck's randomness contract needs each dropout module called on one "
-                         f"stage as a module: {'; '.join(problems)}. Fix: a dropout module per use, or model.eval().")
-    return dataclasses.replace(training, dropout=tuple(dropout), random_seed=seed)
-
-
 def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module, inputs: Inputs,
                    tolerance: ToleranceLike, check_grads: bool, seed: int,
                    clock: Callable[[str], AbstractContextManager[None]], dtype: torch.dtype | None = None,
@@ -113,15 +76,12 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
         batches = prepared_batches(built, given, dtype, device)  # tensors, read only: never a copy a run wrote into
         check_batch_sizes(batches, job)
         uneven = job.training.loss_reduction != "mean"  # its micro-batches may differ in size: probe them whole
-        probed = built
-        if job.training.dropout:  # a copy whose dropout draws by the contract: any other randomness shows
-            probed = copy.deepcopy(built)
-            follow(probed, job.training.dropout)
-            probed.register_forward_pre_hook(restart_calls)  # each probing forward draws the same masks
-        with schedule_step(seed, 0, 0), microbatch(0):
-            check_deterministic(probed, inputs, 1 if uneven else job.n_microbatches * job.training.data_parallel, seed)
-        del probed
-        eager, truth, targets, drift = eager_runs(built, batches, job, seed)
+        replay = Replay(record_draws(job, batches, seed)) if job.training.random_seed is not None else nullcontext()
+        with replay:  # eager and its truth draw the stages' random numbers: any other randomness shows
+            with schedule_step(seed, 0, 0), microbatch(0), _restarting(built, replay):
+                check_deterministic(built, inputs, 1 if uneven else job.n_microbatches * job.training.data_parallel,
+                                    seed)
+            eager, truth, targets, drift = eager_runs(built, batches, job, seed)
     job = dataclasses.replace(job, loss_fn=job.loss_fn or projection_loss, target=targets[0],
                               batches=training_batches(batches, targets))
     with clock("runner_s"):
@@ -130,7 +90,8 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
     notes: list[str] = []
     if tolerance == "auto" and eager and low_precision(eager[0]):  # float64 is too far from eager to anchor on
         with clock("anchor_s"):
-            anchored, notes = training_anchor(built, batches, job, eager, truth, results, targets, seed)
+            with replay:
+                anchored, notes = training_anchor(built, batches, job, eager, truth, results, targets, seed)
     with clock("compare_s"):
         rows, hints, located = compare_steps(pipe, job, results, eager, truth, anchored, check_grads, drift)
     out_dtype = next((leaf.dtype for leaf in pytree.tree_leaves(eager[0].outputs)
@@ -146,6 +107,20 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
                     training=job.training.describe())
     report.located = located
     return report
+
+
+@contextmanager
+def _restarting(model: torch.nn.Module, replay: Any) -> Iterator[None]:
+    """Each forward of ``model`` in the block draws the running micro-batch's numbers from the start (the
+    probe's forwards of one micro-batch draw alike)."""
+    if not isinstance(replay, Replay):
+        yield
+        return
+    hook = model.register_forward_pre_hook(replay.restart)
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: int
@@ -435,10 +410,13 @@ def _hint_step(t: int, rows: list[Row], results: list[StepResult], truth: list[S
     params_fail = [row for row in rows if row.kind == "params" and not row.ok]
     forward_fails = any(not row.ok for row in rows if row.kind in ("outputs", "loss"))
     if job.training.dropout and grads_fail and not forward_fails:
+        ops = job.training.dropout
+        named = "; ".join(ops[:3]) + (f"; and {len(ops) - 3} more" if len(ops) > 3 else "")
         hints[grads_fail[0].name] = (
-            f"outputs and loss match and gradients do not, in a model whose dropout masks pipecheck draws "
-            f"({', '.join(job.training.dropout)}): a backward that recomputes a forward with fresh masks "
-            "(activation recomputation that does not draw the forward's) gives this")
+            f"outputs and loss match and gradients do not, in a model that draws random numbers ({named}): a "
+            "backward that recomputes a forward with fresh random numbers gives this (activation recomputation "
+            "with torch.utils.checkpoint(..., preserve_rng_state=False), or a stage recomputed outside "
+            "pc.randomness.drawing with the forward's stage and micro-batch)")
         return
     for row in grads_fail:
         fqn = row.name.split("grad ", 1)[1]

@@ -49,8 +49,8 @@ class Training:
     loss_reduction: str = "mean"
     ignore_index: int = -100
     data_parallel: int = 1  # pipeline replicas, each on its shard of every batch, gradients summed across them
-    # Dropout modules that draw by pipecheck's randomness contract (pipecheck._runtime.randomness), keyed by
-    # this seed; () and None: the model draws nothing.
+    # The random ops the stages run ("stage 1: blocks.0.drop (Dropout)"), drawn by pipecheck's randomness
+    # contract (pipecheck.randomness) under this seed; () and None: the model draws nothing.
     dropout: tuple[str, ...] = ()
     random_seed: int | None = None
 
@@ -77,7 +77,8 @@ class Training:
         if self.data_parallel > 1:
             parts.append(f"{self.data_parallel} data-parallel replicas")
         if self.dropout:
-            parts.append(f"dropout by pipecheck's contract in {len(self.dropout)} module{'s' if len(self.dropout) != 1 else ''}")
+            count = len(self.dropout)
+            parts.append(f"{count} random op{'s' if count != 1 else ''} drawn by pipecheck's randomness contract")
         return ", ".join(parts)
 
 

@@ -128,6 +128,13 @@ class Job:
         batches, g = self.schedule_batches(), self.training.accumulation_steps
         return [batches[i:i + g] for i in range(0, len(batches), g)]
 
+    @property
+    def random_seed(self) -> int | None:
+        """The seed of pipecheck's randomness contract (:mod:`pipecheck.randomness`) when the model draws
+        random numbers in this check, None when it draws none: a runner that follows the contract draws
+        stage s's micro-batch m with ``pc.randomness.drawing(job.random_seed, stage=s, microbatch=m, ...)``."""
+        return self.training.random_seed
+
     @functools.cached_property
     def bound(self) -> dict[str, Any]:
         """The job's inputs by the names of the model's ``forward`` parameters (``pc.Replicated`` kept)."""

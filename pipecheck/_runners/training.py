@@ -24,7 +24,7 @@ from pipecheck._runners.base import merge_stage_grads, run_engine, run_reference
 from pipecheck._runners.engine import EngineRunner
 from pipecheck._runners.job import Job
 from pipecheck._runtime.optimizer import StageOptimizer
-from pipecheck._runtime.randomness import follow, schedule_step
+from pipecheck._runtime.randomness import schedule_step
 from pipecheck._runtime.reference import DetachExecutor, weighted_loss
 from pipecheck._runtime.stage_step import add_param_grads
 from pipecheck._runtime.training import TrainSpec, rank_train
@@ -55,9 +55,6 @@ def train_reference(job: Job) -> list[StepResult]:
     stage in this process."""
     d = job.training.data_parallel
     pipes = [job.split() for _ in range(d)]
-    for pipe in pipes:
-        for held in pipe.stages:
-            follow(held.module, job.training.dropout)
     seed = job.training.random_seed
     optimizers = [StageOptimizer(pipe.stages, job.training.optimizer) for pipe in pipes]
     weights = reductions(job)

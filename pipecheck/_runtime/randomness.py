@@ -1,48 +1,59 @@
-"""pipecheck's randomness contract: dropout masks that eager, the truth and every runner draw alike.
+"""pipecheck's randomness contract, as pipecheck's own runners and eager follow it.
 
-    follow(model_copy, ["blocks.0.drop", "blocks.1.drop"])    # on a private copy: never the user's
-    with schedule_step(seed=0, step=1, schedule_step=0, offset=0):
+    with schedule_step(seed=0, step=1, schedule_step=0, offset=0):   # a check with random ops sets a position
         with microbatch(2):
-            out = model_copy(x)                                 # masks keyed by (0, 1, 0, 2, fqn, call)
+            fwd = stage_forward(stage, values)      # inside: with stage_draws(stage.index): ... torch's RNG seeded
 
-A dropout module (``nn.Dropout``, ``nn.Dropout1d/2d/3d``) in train mode with ``p > 0`` draws no
-mask from torch's RNG. Its k-th call in micro-batch m (numbered across data-parallel replicas: replica
-r's j-th is r * n + j) of schedule step a of optimizer step t draws, from a CPU generator seeded by a
-hash of ``(seed, t, a, m, its FQN, k)``, float64 uniforms of the mask's shape (the input's; a
-channel dropout's without its spatial dims) and keeps where they are ``>= p``, scaling by
-``1 / (1 - p)``. The mask does not depend on the dtype, the device, the process or the order in
-which stages run, so the eager model, its float64 copy, a recompute and every stage of every
-runner draw the same one. Call counts restart with each micro-batch's forward and with its backward
-(a recompute of activation checkpointing draws what the forward drew).
+Every stage's forward of a micro-batch draws its random numbers (dropout in any form, SDPA's
+``dropout_p``, stochastic depth, ``torch.rand``) from torch's own generators, seeded on entry with
+:func:`seed_of` (``seed``, optimizer step, schedule step, stage, micro-batch; micro-batches numbered
+across data-parallel replicas: replica r's j-th is r * n + j) and put back as found on exit. A
+recompute of that forward (activation checkpointing) must draw the same numbers again: torch's
+checkpoint does when it preserves the RNG state, an engine that recomputes a whole stage re-enters
+:func:`drawing` with the same position. The public face is :mod:`pipecheck.randomness`.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
-
-from pipecheck.errors import EngineError
-
-SUPPORTED: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
-_CHANNEL_DIMS: dict[type[nn.Module], int] = {nn.Dropout1d: 1, nn.Dropout2d: 2, nn.Dropout3d: 3}
 
 
-def active_dropout(model: nn.Module) -> tuple[list[str], list[str]]:
-    """(the FQNs of dropout modules the contract covers that draw in this mode, those of other random
-    modules it does not cover: ``nn.AlphaDropout``, ``nn.FeatureAlphaDropout``)."""
-    covered: list[str] = []
-    other: list[str] = []
-    for name, module in model.named_modules():
-        if not module.training or not isinstance(module, nn.modules.dropout._DropoutNd) or module.p == 0:
-            continue
-        (covered if type(module) in SUPPORTED else other).append(name)
-    return covered, other
+def seed_of(seed: int, *, step: int, schedule_step: int, stage: int, microbatch: int) -> int:
+    """The seed of one stage's forward of one micro-batch (a 63-bit integer; the same in every process)."""
+    key = f"pipecheck-rng/{int(seed)}/{int(step)}/{int(schedule_step)}/{int(stage)}/{int(microbatch)}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _accelerator() -> str | None:
+    """The accelerator whose current device's generator a stage may draw from (None: CPU only)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return "cuda"
+    return None
+
+
+@contextmanager
+def drawing(seed: int, *, stage: int, microbatch: int, step: int = 0, schedule_step: int = 0) -> Iterator[int]:
+    """The block is stage ``stage``'s forward of micro-batch ``microbatch``: torch's CPU generator and the
+    current CUDA device's (where CUDA is in use) are seeded with :func:`seed_of` on entry and put back as
+    they were on exit. Yields the seed."""
+    value = seed_of(seed, step=step, schedule_step=schedule_step, stage=stage, microbatch=microbatch)
+    device = _accelerator()
+    cpu_state = torch.random.get_rng_state()
+    device_state = torch.cuda.get_rng_state() if device == "cuda" else None
+    torch.random.default_generator.manual_seed(value)
+    if device == "cuda":
+        torch.cuda.manual_seed(value)
+    try:
+        yield value
+    finally:
+        torch.random.set_rng_state(cpu_state)
+        if device_state is not None:
+            torch.cuda.set_rng_state(device_state)
 
 
 @dataclass
@@ -52,10 +63,15 @@ class _Position:
     schedule_step: int
     offset: int
     microbatch: int | None = None
-    calls: dict[str, int] = field(default_factory=dict)
 
 
 _CURRENT: list[_Position] = []  # the innermost schedule step of this process (a check runs one at a time)
+_LISTENERS: list[Callable[[int | None], None]] = []  # told each micro-batch's start (eager's replay of draws)
+
+
+def active() -> bool:
+    """Whether a schedule step of a check with random ops is running here."""
+    return bool(_CURRENT)
 
 
 @contextmanager
@@ -71,55 +87,49 @@ def schedule_step(seed: int, step: int, schedule_step: int, offset: int = 0) -> 
 
 @contextmanager
 def microbatch(index: int) -> Iterator[None]:
-    """The block is micro-batch ``index``'s forward (or backward) of the current schedule step; the call
-    counts restart. Nothing outside a schedule step."""
+    """The block is micro-batch ``index``'s forward (or backward) of the current schedule step. Nothing
+    outside a schedule step."""
     if not _CURRENT:
         yield
         return
     position = _CURRENT[-1]
-    saved = position.microbatch, position.calls
-    position.microbatch, position.calls = position.offset + index, {}
+    saved = position.microbatch
+    position.microbatch = position.offset + index
+    for listener in _LISTENERS:
+        listener(position.microbatch)
     try:
         yield
     finally:
-        position.microbatch, position.calls = saved
+        position.microbatch = saved
 
 
-def restart_calls(*_: object) -> None:
-    """Restart the call counts of the current micro-batch (a forward pre-hook: every call of a model is
-    then one micro-batch's forward, as when pipecheck probes the model's own randomness)."""
-    if _CURRENT:
-        _CURRENT[-1].calls = {}
+def position() -> tuple[int, int, int] | None:
+    """(optimizer step, schedule step, micro-batch) of the running micro-batch, None outside one."""
+    here = _CURRENT[-1] if _CURRENT else None
+    if here is None or here.microbatch is None:
+        return None
+    return here.step, here.schedule_step, here.microbatch
 
 
-def follow(root: nn.Module, fqns: Iterable[str]) -> None:
-    """Make ``root``'s dropout modules named ``fqns`` (names inside ``root``, the model's FQNs) draw by the
-    contract. Only ever on a private copy: the module's ``forward`` is replaced on the instance."""
-    wanted = set(fqns)
-    for name, module in root.named_modules():
-        if name in wanted and isinstance(module, SUPPORTED):
-            module.forward = functools.partial(_keyed_dropout, module, name)  # type: ignore[method-assign]
+@contextmanager
+def listening(listener: Callable[[int | None], None]) -> Iterator[None]:
+    """``listener(micro-batch)`` is called as each micro-batch's block starts while the block runs."""
+    _LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(listener)
 
 
-def _keyed_dropout(module: nn.Module, fqn: str, input: torch.Tensor) -> torch.Tensor:
-    p = float(module.p)  # type: ignore[arg-type]
-    if not module.training or p == 0:
-        return input
-    position = _CURRENT[-1] if _CURRENT else None
-    if position is None or position.microbatch is None:
-        raise EngineError(f"dropout module {fqn!r} drew a mask outside any micro-batch's forward or backward that "
-                          "pipecheck's randomness contract knows (inside activation checkpointing's recompute in "
-                          "the eager step, or an engine that does not follow the contract). Fix: check the model "
-                          "in eval mode (model.eval()), or without checkpointing around its dropout.",
-                          engine="pipecheck")
-    call = position.calls.get(fqn, 0)
-    position.calls[fqn] = call + 1
-    if p >= 1:
-        return input * 0
-    key = f"{position.seed}/{position.step}/{position.schedule_step}/{position.microbatch}/{fqn}/{call}"
-    generator = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
-                                              & (2**63 - 1))
-    channel = _CHANNEL_DIMS.get(type(module), 0)
-    shape = tuple(input.shape[:input.dim() - channel]) + (1,) * min(channel, input.dim())
-    keep = torch.rand(shape, generator=generator, dtype=torch.float64) >= p
-    return input * keep.to(device=input.device, dtype=input.dtype) / (1 - p)
+@contextmanager
+def stage_draws(stage: int) -> Iterator[None]:
+    """Stage ``stage``'s forward of the running micro-batch draws by the contract (nothing outside a
+    micro-batch of a check with random ops)."""
+    if not _CURRENT or _CURRENT[-1].microbatch is None:
+        yield
+        return
+    here = _CURRENT[-1]
+    assert here.microbatch is not None
+    with drawing(here.seed, stage=stage, microbatch=here.microbatch, step=here.step,
+                 schedule_step=here.schedule_step):
+        yield

@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecheck._core.torch_warnings import torch_internal_warnings_ignored
+from pipecheck._runtime.randomness import stage_draws
 from pipecheck._split.microbatch import merge_microbatches
 from pipecheck._split.pipe import Stage
 
@@ -84,18 +85,23 @@ class StageForward:
 
 
 def stage_forward(stage: Stage, values: Sequence[Any]) -> StageForward:
+    """One micro-batch's forward of ``stage`` (its random numbers drawn by pipecheck's randomness contract
+    where the check has any: :mod:`pipecheck.randomness`)."""
     inputs = [detach_value(v) for v in values]
     if stage.module in _WRITES_INPUTS:
-        return StageForward(inputs, tuple(stage.module(*[_writable(v) for v in inputs])))
+        with stage_draws(stage.index):
+            return StageForward(inputs, tuple(stage.module(*[_writable(v) for v in inputs])))
     try:
-        outputs = stage.module(*inputs)
+        with stage_draws(stage.index):
+            outputs = stage.module(*inputs)
     except RuntimeError as err:
         if "leaf Variable that requires grad is being used in an in-place operation" not in str(err):
             raise
         # The stage writes into an input (ReLU(inplace=True) right after a cut): from now on it
         # gets non-leaf copies, whose gradients still flow to the detached inputs.
         _WRITES_INPUTS.add(stage.module)
-        outputs = stage.module(*[_writable(v) for v in inputs])
+        with stage_draws(stage.index):  # drawn again from the start
+            outputs = stage.module(*[_writable(v) for v in inputs])
     return StageForward(inputs, tuple(outputs))
 
 

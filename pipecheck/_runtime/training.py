@@ -26,7 +26,7 @@ from pipecheck._core.result import RankReport
 from pipecheck._core.training import Batch, Training
 from pipecheck._runtime.executor import Replica, StageExecutor, StepSpec, to_host
 from pipecheck._runtime.optimizer import StageOptimizer, summed_over
-from pipecheck._runtime.randomness import follow, schedule_step
+from pipecheck._runtime.randomness import schedule_step
 from pipecheck._runtime.stage_step import add_param_grads, trainable_params
 from pipecheck._split.pipe import Stage
 from pipecheck._world.worker import RankContext, gloo_connections_unprinted
@@ -87,8 +87,6 @@ def _train(ctx: RankContext, spec: TrainSpec, replica: Replica, reducer: Any) ->
     executor = StageExecutor(ctx, spec.step, replica=replica)
     pipe = executor.pipe
     seed = spec.training.random_seed
-    for held in pipe.stages:
-        follow(held.module, spec.training.dropout)
     mine = [stage for stage in pipe.stages if executor.stage_to_rank[stage.index] == ctx.rank]
     optimizer = StageOptimizer(mine, spec.training.optimizer)
     first_holder = {fqn: min(pipe.param_stages(fqn)) for stage in mine for fqn in stage.params}

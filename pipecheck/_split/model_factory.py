@@ -189,3 +189,17 @@ def refuse_unreproducible(factory: ModelFactory, failed: str) -> None:
                 "(os.urandom, random.SystemRandom, a clock, a file that changes?). Fix: make it build the same "
                 "weights on every call (draw from torch's RNG), or pass the built module instead."
             )
+
+
+def is_default_generator(generator: torch.Generator) -> bool:
+    """Whether ``generator`` is its device's default, passed explicitly (the dispatcher hands over a new
+    Python object for it: told apart by its state, which a generator of one's own matches only if seeded
+    and drawn alike)."""
+    if generator.device.type == "cpu":
+        default = torch.default_generator
+    elif generator.device.type == "cuda":
+        default = torch.cuda.default_generators[generator.device.index or 0]
+    else:
+        return False
+    return generator.initial_seed() == default.initial_seed() and torch.equal(generator.get_state(),
+                                                                              default.get_state())

@@ -30,7 +30,13 @@ import torch.utils._pytree as pytree
 from pipecheck._split.checkpoints import outline_checkpoints, register_region_modules
 from pipecheck._split.inputs import as_args
 from pipecheck._split.markers import PIPE_SPLIT_OP, is_marker
-from pipecheck._split.model_factory import ModelFactory, ModelLike, build_module, copy_module
+from pipecheck._split.model_factory import (
+    ModelFactory,
+    ModelLike,
+    build_module,
+    copy_module,
+    is_default_generator,
+)
 from pipecheck._split.model_outputs import caches_left_out
 from pipecheck._split.recipe import SplitRecipe
 from pipecheck._split.trace import check_tracer, trace
@@ -124,6 +130,10 @@ class Pipe:
         (a TreeSpec is immutable, and deep-copying one warns), and so are the recipe and the binding."""
         for shared in (self.out_spec, self.recipe, self._bind):  # immutable; the binding reads forward's signature
             memo[id(shared)] = shared
+        for stage in self.stages:  # torch's default generator, lifted by torch.export: the copy draws from it too
+            for value in vars(stage.module).values():
+                if isinstance(value, torch.Generator) and is_default_generator(value):
+                    memo[id(value)] = value
         copied = object.__new__(Pipe)
         memo[id(self)] = copied
         copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
