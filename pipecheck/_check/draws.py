@@ -16,11 +16,13 @@ checkpoint restores; a recompute that does not restore it is refused, naming the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -139,6 +141,7 @@ class Replay(TorchDispatchMode):
         self.cursor: dict[Position, int] = {}
         self.markers: dict[bytes, tuple[Position, int]] = {}
         self._entered: list[tuple[torch.Tensor, Any]] = []
+        self.probing = False
 
     def __enter__(self) -> Replay:
         listener = listening(self._started)
@@ -152,12 +155,23 @@ class Replay(TorchDispatchMode):
         listener.__exit__(*exc)
         torch.random.set_rng_state(saved)  # torch's RNG as found: the markers were only ever ours
 
-    def restart(self, *_: Any) -> None:
-        """The running micro-batch's draws start over (a forward pre-hook: each probing forward of the
-        same micro-batch draws the same)."""
+    @contextmanager
+    def probe(self, model: nn.Module) -> Iterator[None]:
+        """The block probes ``model`` for randomness the contract does not cover: each forward's k-th random
+        op of torch's default generators draws the same numbers, whatever the seed (the probe's micro-batch
+        need not be one the stages drew)."""
+        hook = model.register_forward_pre_hook(self._restart)
+        self.probing = True
+        try:
+            yield
+        finally:
+            self.probing = False
+            hook.remove()
+
+    def _restart(self, *_: Any) -> None:
         here = position()
         if here is not None:
-            self._mark(here, 0)
+            self.cursor[here] = 0
 
     def _started(self, _: int | None) -> None:
         here = position()
@@ -182,6 +196,12 @@ class Replay(TorchDispatchMode):
                              "function?), which pipecheck's randomness contract does not cover. Fix: a loss "
                              "without random ops.")
         k = self.cursor.get(here, 0)
+        if self.probing:  # the determinism probe: the k-th draw of every probing forward is the same
+            with torch.random.fork_rng(devices=[]):
+                torch.random.default_generator.manual_seed(k)
+                out = func(*args, **kwargs)
+            self.cursor[here] = k + 1
+            return out
         if torch._C._current_graph_task_id() != -1:  # in backward: a recompute finds its place by the RNG state
             found = self.markers.get(_fingerprint())
             if found is None or found[0] != here:

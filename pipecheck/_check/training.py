@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 from pipecheck._check.anchor import low_precision, training_anchor
 from pipecheck._check.determinism import check_deterministic
 from pipecheck._check.diagnose import diagnose_grad, matches
+from pipecheck._check.draw_hints import wrong_draws_hint
 from pipecheck._check.draws import Replay, record_draws
 from pipecheck._check.eager import check_finite, output_name
 from pipecheck._check.numerics import Row, ToleranceLike, compare, judge_power
@@ -78,7 +79,8 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
         uneven = job.training.loss_reduction != "mean"  # its micro-batches may differ in size: probe them whole
         replay = Replay(record_draws(job, batches, seed)) if job.training.random_seed is not None else nullcontext()
         with replay:  # eager and its truth draw the stages' random numbers: any other randomness shows
-            with schedule_step(seed, 0, 0), microbatch(0), _restarting(built, replay):
+            with schedule_step(seed, 0, 0), microbatch(0), (replay.probe(built) if isinstance(replay, Replay)
+                                                            else nullcontext()):
                 check_deterministic(built, inputs, 1 if uneven else job.n_microbatches * job.training.data_parallel,
                                     seed)
             eager, truth, targets, drift = eager_runs(built, batches, job, seed)
@@ -107,20 +109,6 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
                     training=job.training.describe())
     report.located = located
     return report
-
-
-@contextmanager
-def _restarting(model: torch.nn.Module, replay: Any) -> Iterator[None]:
-    """Each forward of ``model`` in the block draws the running micro-batch's numbers from the start (the
-    probe's forwards of one micro-batch draw alike)."""
-    if not isinstance(replay, Replay):
-        yield
-        return
-    hook = model.register_forward_pre_hook(replay.restart)
-    try:
-        yield
-    finally:
-        hook.remove()
 
 
 def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: int
@@ -409,6 +397,13 @@ def _hint_step(t: int, rows: list[Row], results: list[StepResult], truth: list[S
     grads_fail = [row for row in rows if row.kind == "grads" and not row.ok and "(replica" not in row.name]
     params_fail = [row for row in rows if row.kind == "params" and not row.ok]
     forward_fails = any(not row.ok for row in rows if row.kind in ("outputs", "loss"))
+    outputs_fail = [row for row in rows if row.kind == "outputs" and not row.ok]
+    if job.training.random_seed is not None and outputs_fail:  # the runner's draws of another micro-batch?
+        test = results[t].outputs if job.training.accumulation_steps == 1 else results[t].outputs[0]
+        hint = wrong_draws_hint(job, t, test, truth[t - 1].params if t > 0 else {})
+        if hint is not None:
+            hints[outputs_fail[0].name] = hint
+            return
     if job.training.dropout and grads_fail and not forward_fails:
         ops = job.training.dropout
         named = "; ".join(ops[:3]) + (f"; and {len(ops) - 3} more" if len(ops) > 3 else "")
