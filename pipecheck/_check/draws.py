@@ -37,8 +37,13 @@ from pipecheck.errors import InputError
 Position = tuple[int, int, int]  # (optimizer step, schedule step, micro-batch across replicas)
 
 # Ops whose tensor outputs are the draw itself (their values replayed as recorded); native_dropout's
-# first output is computed from its replayed mask.
+# first output is computed from its replayed mask. Any other random op (a fused attention kernel that
+# draws its dropout mask inside, on CUDA) is refused: its draw cannot be replayed into float64.
 _DROPOUT = "aten::native_dropout"
+_REPLAYABLE = {f"aten::{name}" for name in (
+    "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+    "normal", "normal_", "uniform_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_",
+    "multinomial", "poisson", "binomial", "_standard_gamma", "_sample_dirichlet", "native_dropout")}
 
 
 @dataclass
@@ -56,8 +61,16 @@ class Draws:
     by_position: dict[Position, list[Draw]] = field(default_factory=dict)
 
 
-def _seeded(func: Any) -> bool:
-    return isinstance(func, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in func.tags
+def _seeded(func: Any, args: Any = (), kwargs: Any = None) -> bool:
+    """Whether the op draws random numbers: tagged so by torch, and not an attention kernel called with
+    ``dropout_p=0`` (tagged, drawing nothing)."""
+    if not (isinstance(func, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in func.tags):
+        return False
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            value = (kwargs or {}).get("dropout_p", args[index] if index < len(args) else argument.default_value)
+            return value not in (0, 0.0, None)
+    return True
 
 
 def _own_generator(args: Any, kwargs: Any) -> bool:
@@ -82,7 +95,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _seeded(func):
+        if _seeded(func, args, kwargs):
             here = position()
             if here is not None:
                 name = func._schema.name
@@ -91,6 +104,13 @@ class _Recorder(TorchDispatchMode):
                                      "pipecheck's randomness contract cannot replay (it seeds torch's default "
                                      "generators per stage and micro-batch). Fix: draw from torch's default "
                                      "generator (no generator= argument), or check the model without that op.")
+                if name not in _REPLAYABLE:
+                    raise InputError(
+                        f"the model's op {name} (stage {self.stage[0]}) draws its random numbers inside a fused "
+                        "kernel (attention dropout in flash or memory-efficient attention, on CUDA), which pipecheck "
+                        "cannot replay into eager and its float64 truth. Fix: attention dropout through the math "
+                        "kernel (torch.nn.attention.sdpa_kernel(SDPBackend.MATH) around the check, or a HF model "
+                        "with attn_implementation='eager'); model.eval() checks the deterministic model only.")
                 leaves = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
                 self.draws.by_position.setdefault(here, []).append(
                     Draw(name, self.stage[0], [_compact(leaf, name) for leaf in leaves]))
@@ -187,7 +207,7 @@ class Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not _seeded(func) or _own_generator(args, kwargs):  # pipecheck's projection draws from its own
+        if not _seeded(func, args, kwargs) or _own_generator(args, kwargs):  # pipecheck's projection draws from its own
             return func(*args, **kwargs)
         here = position()
         name = func._schema.name
