@@ -14,6 +14,10 @@ picklable zero-argument factory, which is what travels to worker processes.
 ``check_split(pipe)``: the check calls it as soon as the model is split, before
 any eager work, and it raises ``pc.InputError`` for a split it cannot run.
 
+An engine that runs its own modules, or runs in processes of its own, names its stage values for the
+check's localisation with ``job.recorder(stage)`` (``pipecheck._runtime.stage_recorder``): by position,
+in pipecheck's terms, on any process; ``boundaries=job.recorded(recorders)`` returns them.
+
 A check that trains (``steps``, ``optimizer``, ``accumulation_steps``, ``loss_reduction``) needs a
 runner that keeps its engine across steps: one with a method ``train(job) -> list[StepResult]``,
 one result per optimizer step, its ``grads`` before the optimizer and its ``params`` after it::
