@@ -39,11 +39,13 @@ _EXPORTS: dict[str, str] = {
     "Report": "pipecheck._check.report",
     "Runner": "pipecheck._runners.job",
     "Replicated": "pipecheck._split.microbatch",
+    "RecordingError": "pipecheck.errors",
     "ScheduleError": "pipecheck.errors",
     "Source": "pipecheck._split.pipe",
     "SplitError": "pipecheck.errors",
     "SplitPoint": "pipecheck._split.markers",
     "Stage": "pipecheck._split.pipe",
+    "StageRecorder": "pipecheck._runtime.stage_recorder",
     "StepResult": "pipecheck._core.result",
     "TiedGroup": "pipecheck._split.pipe",
     "Tolerance": "pipecheck._check.numerics",
@@ -93,6 +95,7 @@ if typing.TYPE_CHECKING:
     from pipecheck._runners.runtime.driver import run_pipeline
     from pipecheck._runtime.boundaries import Boundaries, Divergence
     from pipecheck._runtime.reference import DetachExecutor
+    from pipecheck._runtime.stage_recorder import StageRecorder
     from pipecheck._split.markers import SplitPoint, pipe_split
     from pipecheck._split.microbatch import Replicated, merge_microbatches, split_microbatches
     from pipecheck._split.model_factory import ModelFactory
@@ -110,6 +113,7 @@ if typing.TYPE_CHECKING:
         RankDiedError,
         RankFailedError,
         RankTimeoutError,
+        RecordingError,
         ScheduleError,
         SplitError,
         TaskPickleError,

@@ -150,6 +150,12 @@ class UsageError(InputError):
     """The command line was used wrongly: a bad option, path, module or value (exit status 2)."""
 
 
+class RecordingError(PipecheckError):
+    """An engine recorded boundary values (:class:`pipecheck.StageRecorder`) that do not fit pipecheck's
+    split: too many or too few values for a stage, a shape the split's value does not have, a
+    micro-batch out of range. The message lists the stage's values by position, name and shape."""
+
+
 class LossError(PipecheckError):
     """The loss function raised, or returned something that is not a scalar tensor."""
 

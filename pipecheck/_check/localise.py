@@ -30,7 +30,8 @@ from pipecheck._runtime.boundaries import (
     recording,
 )
 from pipecheck._runtime.reference import DetachExecutor
-from pipecheck.errors import plural
+from pipecheck._runtime.stage_recorder import swapped_note
+from pipecheck.errors import RankError, RankFailedError, RecordingError, plural
 
 
 def not_located(why: str, err: BaseException) -> str:
@@ -76,21 +77,35 @@ def locate(fresh_job: Callable[[], Job], run: Runner, runner_name: str, failing_
         _, truth = (reference or ReferenceByMicrobatch(job)).get()
         producers = producers_of(job.structure())
         job = fresh_job()
-    recorded = Boundaries()
+    # the reference's shapes: what a StageRecorder checks the engine's values against
+    recorded = Boundaries(shapes={key: tuple(value.shape) for key, value in truth.values.items()})
     try:
         result = run(dataclasses.replace(job, boundaries=recorded, trace_path=None))  # the user's trace is the check's
     except Exception as err:  # the verdict stands; only the diagnosis is lost
-        return None, not_located("running the job again to record it failed", err)
+        return None, _recording_failed(err)
     if isinstance(result, StepResult) and result.boundaries:  # recorded on other processes
         recorded.imported(result.boundaries)
     values = recorded.values
     if not values:
         return None, ("the divergence was not located: the runner recorded no boundary values (run the stage modules "
-                      "of job.split(), or record them with job.boundaries.record and return them in "
-                      "StepResult.boundaries)")
+                      "of job.split(), or record them with job.recorder(stage) and return job.recorded(recorders) "
+                      "in StepResult.boundaries)")
     found, scale = first_divergence(values, truth.values, job.n_microbatches, job.structure().num_stages, producers)
-    return _said(found, scale, recorded, len(truth.values), failing_kinds,
-                 runner_name if own_split is not None else None)
+    found, line = _said(found, scale, recorded, len(truth.values), failing_kinds,
+                        runner_name if own_split is not None else None)
+    return found, line + (swapped_note(values, truth.values, found) if found is not None else "")
+
+
+def _recording_failed(err: BaseException) -> str:
+    """The line for a runner that raised on its second run; an engine's recording mistake in full (the
+    positions it lists are the fix), on this process or on one of the engine's ranks."""
+    if isinstance(err, RecordingError):
+        return f"the divergence was not located: the runner's recording does not fit pipecheck's split: {err}"
+    cause = getattr(err, "error", None)
+    if isinstance(err, RankFailedError) and isinstance(cause, RankError) and cause.exc_type.endswith("RecordingError"):
+        return (f"the divergence was not located: rank {cause.rank}'s recording does not fit pipecheck's split: "
+                f"{cause.message}")
+    return not_located("running the job again to record it failed", err)
 
 
 def _said(found: Divergence | None, scale: float, recorded: Boundaries, counted: int,

@@ -33,7 +33,8 @@ class StepResult:
     replica_grads: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     events: list[Any] = field(default_factory=list)  # optional: timeline events (pipecheck._runtime.timeline.Event)
     # Optional: boundary values, (stage, micro-batch, point, value name) -> host tensor, recorded when
-    # ``job.boundaries`` is set (see pipecheck.Job); a runner on one process need not fill it.
+    # ``job.boundaries`` is set (see pipecheck.Job): ``job.recorded(recorders)`` for an engine that records
+    # with ``job.recorder(stage)``; a runner that runs ``job.split()``'s stage modules on one process need not fill it.
     boundaries: dict[tuple[int, int, str, str], torch.Tensor] = field(default_factory=dict)
     # Optional: what the runner wants the report to say (its engine's version and configuration).
     notes: list[str] = field(default_factory=list)

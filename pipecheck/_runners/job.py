@@ -14,6 +14,10 @@ picklable zero-argument factory, which is what travels to worker processes.
 ``check_split(pipe)``: the check calls it as soon as the model is split, before
 any eager work, and it raises ``pc.InputError`` for a split it cannot run.
 
+An engine that runs its own modules, or runs in processes of its own, names its stage values for the
+check's localisation with ``job.recorder(stage)`` (``pipecheck._runtime.stage_recorder``): by position,
+in pipecheck's terms, on any process; ``boundaries=job.recorded(recorders)`` returns them.
+
 A check that trains (``steps``, ``optimizer``, ``accumulation_steps``, ``loss_reduction``) needs a
 runner that keeps its engine across steps: one with a method ``train(job) -> list[StepResult]``,
 one result per optimizer step, its ``grads`` before the optimizer and its ``params`` after it::
@@ -30,17 +34,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import torch
 import torch.nn as nn
 
 from pipecheck._core.precision import Precision
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, Training
-from pipecheck._runtime.boundaries import Boundaries, instrument
+from pipecheck._runtime.boundaries import Boundaries, BoundaryKey, instrument
+from pipecheck._runtime.stage_recorder import StageRecorder
 from pipecheck._split.pipe import Pipe, split
+from pipecheck.errors import RecordingError
 from pipecheck.losses import LossFn
 from pipecheck.policies import Policy
 
@@ -73,7 +80,8 @@ class Job:
     trace_path: str | None = None
     pipe: Pipe | None = field(default=None, repr=False)  # the check's split of ``model``, if made
     # Set when the check re-runs a failing job to find where it diverges: every split() then records its
-    # stage modules' boundary values here (an engine that runs other modules may call boundaries.record).
+    # stage modules' boundary values here (an engine that runs other modules records with recorder(stage),
+    # or calls boundaries.record).
     boundaries: Boundaries | None = field(default=None, repr=False)
     # How the check trains (several optimizer steps, accumulation, the loss convention) and the batch of
     # each schedule step (empty: every schedule step runs ``args``, ``kwargs``, ``target``).
@@ -106,6 +114,25 @@ class Job:
             self._split = split(self.model, self.args, self.kwargs, split_spec=self.split_spec, policy=self.policy,
                                 tracer=self.tracer)
         return self._split
+
+    def recorder(self, stage: int) -> StageRecorder:
+        """A recorder of stage ``stage``'s boundary values, named by position as ``structure()`` has them:
+        ``rec.inputs(mb, *values)``, ``rec.outputs``, ``rec.input_grads``, ``rec.output_grads`` or
+        ``rec.watch(module)``, on any process (it pickles); ``print(rec)`` lists the positions. It records
+        only while ``boundaries`` is set (the check's second run); return what it holds with
+        :meth:`recorded`."""
+        return StageRecorder.for_stage(self.structure(), stage, self.n_microbatches, self.boundaries)
+
+    def recorded(self, recorders: Iterable[StageRecorder]) -> dict[BoundaryKey, torch.Tensor]:
+        """What ``recorders`` (sent back from the engine's processes) recorded, as ``StepResult.boundaries``."""
+        found: dict[BoundaryKey, torch.Tensor] = {}
+        for recorder in recorders:
+            if not isinstance(recorder, StageRecorder):
+                raise RecordingError(f"job.recorded() takes the StageRecorders the engine's processes sent back; got "
+                                     f"{type(recorder).__name__}. Fix: return each job.recorder(stage) from the process "
+                                     "that recorded with it, and pass them all.")
+            found.update(recorder.exported())
+        return found
 
     def frozen_params(self) -> frozenset[str]:
         """The FQNs of the model's parameters that need no gradient (``requires_grad=False``)."""

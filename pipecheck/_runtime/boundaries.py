@@ -48,6 +48,9 @@ class Boundaries:
     # written in place under the stage's saved activations): key -> largest change.
     overwritten: dict[BoundaryKey, float] = field(default_factory=dict)
     paused: bool = False  # while set, a forward is no micro-batch (an engine's probe on real tensors)
+    # While a check records: the reference's shape of each value, what a StageRecorder checks an engine's
+    # values against (filled by the check, never by a recording).
+    shapes: dict[BoundaryKey, tuple[int, ...]] = field(default_factory=dict)
 
     def exported(self) -> dict[BoundaryKey, torch.Tensor]:
         """``values`` with the overwritten received values as ``(stage, mb, "overwritten", name)`` keys
