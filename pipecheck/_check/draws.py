@@ -224,7 +224,7 @@ class Replay(TorchDispatchMode):
             return out
         if torch._C._current_graph_task_id() != -1:  # in backward: a recompute finds its place by the RNG state
             found = self.markers.get(_fingerprint())
-            if found is None or found[0] != here:
+            if found is None or found[0] != here or found[1] >= len(self.draws.by_position.get(here, [])):
                 raise InputError(
                     f"the model recomputes random ops in backward ({name}, micro-batch {here[2]}) without "
                     "restoring torch's RNG state, so its own gradients come from other random numbers than "

@@ -99,7 +99,8 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
             for mb, loss in backwards:
                 if not (params and loss.requires_grad):
                     continue
-                with (schedule_step(seed, t, i - t * g) if seed is not None else nullcontext()), microbatch(mb):
+                with (schedule_step(seed, t, i - t * g) if seed is not None else nullcontext()), \
+                        microbatch(mb, backward=True):
                     got = _gradients(model, loss, [p for _, p in params])
                 for k, grad in enumerate(got):
                     total_k = sums[k]

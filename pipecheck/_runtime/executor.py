@@ -284,11 +284,11 @@ class StageExecutor:
         last = s == self.pipe.num_stages - 1
         loss = self.loss_values.pop(mb) if last else None
         if weights_later:  # the weight gradients wait for this micro-batch's W
-            with microbatch(mb):  # a recompute draws what the forward drew
+            with microbatch(mb, backward=True):  # a checkpointed region recomputes under the RNG state it saved
                 in_grads, self.weights_pending[(s, mb)] = stage_backward_input(stage, fwd, out_grads, loss,
                                                                                self.loss_scale)
         else:
-            with microbatch(mb):
+            with microbatch(mb, backward=True):
                 in_grads, p_grads = stage_backward(stage, fwd, out_grads, loss, self.loss_scale)
             add_param_grads(self.result.stage_grads.setdefault(s, {}), self._accumulated(p_grads),
                             self.owned.setdefault(s, set()))

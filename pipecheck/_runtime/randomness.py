@@ -66,7 +66,7 @@ class _Position:
 
 
 _CURRENT: list[_Position] = []  # the innermost schedule step of this process (a check runs one at a time)
-_LISTENERS: list[Callable[[int | None], None]] = []  # told each micro-batch's start (eager's replay of draws)
+_LISTENERS: list[Callable[[int | None], None]] = []  # told each micro-batch's forward start (eager's replay)
 
 
 def active() -> bool:
@@ -86,16 +86,16 @@ def schedule_step(seed: int, step: int, schedule_step: int, offset: int = 0) -> 
 
 
 @contextmanager
-def microbatch(index: int) -> Iterator[None]:
-    """The block is micro-batch ``index``'s forward (or backward) of the current schedule step. Nothing
-    outside a schedule step."""
+def microbatch(index: int, backward: bool = False) -> Iterator[None]:
+    """The block is micro-batch ``index``'s forward (or, ``backward``, its backward) of the current schedule
+    step. Nothing outside a schedule step."""
     if not _CURRENT:
         yield
         return
     position = _CURRENT[-1]
     saved = position.microbatch
     position.microbatch = position.offset + index
-    for listener in _LISTENERS:
+    for listener in _LISTENERS if not backward else ():
         listener(position.microbatch)
     try:
         yield
@@ -113,7 +113,7 @@ def position() -> tuple[int, int, int] | None:
 
 @contextmanager
 def listening(listener: Callable[[int | None], None]) -> Iterator[None]:
-    """``listener(micro-batch)`` is called as each micro-batch's block starts while the block runs."""
+    """``listener(micro-batch)`` is called as each micro-batch's forward starts while the block runs."""
     _LISTENERS.append(listener)
     try:
         yield

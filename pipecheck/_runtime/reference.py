@@ -139,7 +139,7 @@ class DetachExecutor:
         forwards = []
         autocast = self.precision.forward(self._device())
         for mb, values in enumerate(inputs):
-            with microbatch(mb), autocast:  # dropout masks by pipecheck's contract, where a training check asks
+            with microbatch(mb), autocast:  # random ops drawn by pipecheck's contract, where a check has any
                 forwards.append(self.forward_microbatch(values))
         outputs = [pytree.tree_unflatten(list(f[-1].outputs), self.pipe.out_spec) for f in forwards]
         merged = merge_microbatches([pytree.tree_map(_detached, o) for o in outputs])
@@ -151,7 +151,7 @@ class DetachExecutor:
         order = range(len(forwards) - 1, -1, -1) if self.accumulation.reverse else range(len(forwards))
         after = self.accumulation.scale_after
         for mb in order:
-            with microbatch(mb):  # a recompute draws what the forward drew
+            with microbatch(mb, backward=True):  # a checkpointed region recomputes under the RNG state it saved
                 self.backward_microbatch(mb, forwards[mb], losses[mb], 1.0 if after else scale, param_grads, owned,
                                          input_grads)
         grads = sum_stage_grads(param_grads[::-1] if self.accumulation.reverse else param_grads)

@@ -1,0 +1,112 @@
+"""Models with random ops in train mode, as users write them, checked under pipecheck's randomness contract.
+
+HuggingFace GPT-2, BERT and BART in their default train configs (dropout everywhere, SDPA's dropout_p)
+and Llama with attention_dropout, all traced by torch.export; functional dropout and SDPA dropout in
+a model of one's own; a model that recomputes its dropout without restoring the RNG state is refused,
+naming the cause, since its own gradients do not come from its forward's masks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import pipecheck as pc
+
+transformers = pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+
+
+def gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+
+
+def bert() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=64,
+        max_position_embeddings=32))
+
+
+def llama() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=64, attention_dropout=0.1, use_cache=False))
+
+
+def bart() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64, max_position_embeddings=32))
+
+
+HF = {"gpt2": (gpt2, "transformer.h.1"), "bert": (bert, "bert.encoder.layer.1"),
+      "llama": (llama, "model.layers.1"), "bart": (bart, "model.decoder")}
+
+
+@pytest.mark.parametrize("family", sorted(HF))
+@pytest.mark.parametrize("runner", ["reference", "distributed"])
+def test_hf_models_in_their_default_train_config_are_checked_by_the_contract(pipecheck_world, family: str,
+                                                                             runner: str) -> None:  # type: ignore[no-untyped-def]
+    factory, cut = HF[family]
+    assert factory().training  # as from_config / the constructor gives it: train mode, dropout on
+    report = pc.assert_equivalent(factory, (IDS,), split_spec={cut: pc.SplitPoint.BEGINNING}, n_microbatches=2,
+                                  runner=runner, world=pipecheck_world(2) if runner == "distributed" else None)
+    assert report.ok and report.tracer == "export" and "drawn by pipecheck's randomness contract" in report.headline()
+
+
+def test_a_wrong_mask_in_a_hf_model_is_caught() -> None:
+    """The contract makes eager draw the stages' numbers; a runner that draws any others fails."""
+    from mutants.random_draws import DrawingEngine
+
+    with pytest.raises(pc.EquivalenceError) as caught:
+        pc.assert_equivalent(gpt2, (IDS,), split_spec={"transformer.h.1": pc.SplitPoint.BEGINNING}, n_microbatches=2,
+                             runner=DrawingEngine(shift=1))
+    assert "micro-batch 0 drew micro-batch 1's" in " ".join(caught.value.report.hints.values())
+
+
+class FunctionalDropout(nn.Module):
+    """F.dropout and SDPA's dropout_p in a forward of one's own (what HF attention does), checkpointed."""
+
+    def __init__(self, preserve_rng_state: bool = True) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+        self.preserve_rng_state = preserve_rng_state
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, -1)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2 if self.training else 0.0).squeeze(1)
+        return F.dropout(a, 0.1, self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.block, x, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
+        pc.pipe_split()
+        return self.out(F.dropout(h, 0.3, self.training))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_functional_dropout_and_sdpa_dropout_in_a_checkpointed_region_are_checked(tracer: str) -> None:
+    torch.manual_seed(0)
+    report = pc.assert_equivalent(FunctionalDropout(), (torch.randn(4, 5, 8),), n_microbatches=2, runner="reference",
+                                  tracer=tracer, steps=2, optimizer=_sgd)
+    assert report.ok and "3 random ops" in report.headline()
+
+
+def test_a_model_that_recomputes_its_dropout_without_restoring_the_rng_state_is_refused() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(pc.InputError, match=r"recomputes random ops in backward .* without restoring torch's RNG "
+                                            r"state.*Fix: preserve_rng_state=True"):
+        pc.assert_equivalent(FunctionalDropout(preserve_rng_state=False), (torch.randn(4, 5, 8),), n_microbatches=2,
+                             runner="reference")
+
+
+def _sgd(params):  # type: ignore[no-untyped-def]
+    return torch.optim.SGD(params, lr=0.1)
