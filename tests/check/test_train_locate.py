@@ -11,6 +11,7 @@ import pytest
 import torch
 from _training_models import Trainer, make_tied_lm, mean_ce, sgd, token_ce, tokens
 from mutants.training import TrainingRunner
+from pipecheck.fixtures import get
 
 import pipecheck as pc
 
@@ -19,7 +20,6 @@ import pipecheck._check.train_locate as train_locate
 import pipecheck._check.training as training
 from pipecheck._runners.registry import runner_named
 from pipecheck._runtime.boundaries import Boundaries
-from pipecheck.fixtures import get
 
 
 def _check(runner: Any, **settings: Any) -> pc.Report:
