@@ -322,3 +322,9 @@ class FrontLoaded(nn.Module):
 def make_front_loaded() -> FrontLoaded:
     torch.manual_seed(0)
     return FrontLoaded()
+
+
+def own_token_mean(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's mean over its own valid tokens (labels -100 ignored): the token mean of means's
+    per-micro-batch loss (a planted bug where the job asks the global token mean)."""
+    return token_ce(logits, labels).sum() / (labels != -100).sum()

@@ -41,6 +41,7 @@ from pipecheck._check.train_eager import (
     prepared_batches,
     train_eager,
 )
+from pipecheck._check.train_locate import locate_step
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, Training
 from pipecheck._runners.job import Job
@@ -108,6 +109,9 @@ def check_training(run: Any, runner_name: str, job: Job, built: torch.nn.Module,
                     str(out_dtype).replace("torch.", ""), job.n_microbatches, pipe.num_stages, {}, notes, pipe.tracer,
                     training=job.training.describe())
     report.located = located
+    if not report.ok:  # where within the failing step, and why: only on failure, never changing the verdict
+        with clock("locate_s"):
+            locate_step(report, run, runner_name, job, lambda: training_batches(batches, targets), results, eager, truth)
     return report
 
 

@@ -196,6 +196,7 @@ def merge_step(pipe: Pipe, reports: Sequence[Any], job: Job, weights: Sequence[R
                         replica_grads=replica_grads, stage_grads=[stage_grads.get(s, {}) for s in range(pipe.num_stages)],
                         params=merged_params, replica_params=replica_params)
     for report in reports:
+        result.boundaries.update(report.boundaries)  # a failing check's re-run (pipecheck._check.train_locate)
         if report.dp_rank > 0:
             for copies, by_stage in ((result.dp_grads, report.stage_grads), (result.dp_params, report.params)):
                 for stage, by_fqn in by_stage.items():

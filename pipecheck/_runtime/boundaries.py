@@ -263,6 +263,9 @@ class Divergence:
     relative: float
     more_values: int = 0  # other values diverging at the same stage and point
     mismatch: str = ""  # "shape (4, 16) where the reference has (8, 16)", or the dtypes, when they differ
+    # In a training check: the optimizer step it is in and its schedule step there (None: a one-step check).
+    optimizer_step: int | None = None
+    schedule_step: int | None = None
 
     def text(self) -> str:
         where = {"received": "received", "sent": "sent", "grad received": "received the gradient of",

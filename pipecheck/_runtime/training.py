@@ -101,6 +101,10 @@ def _train(ctx: RankContext, spec: TrainSpec, replica: Replica, reducer: Any) ->
             with schedule_step(seed or 0, t, i - t * g, replica.index * spec.step.schedule.n_microbatches) \
                     if seed is not None else nullcontext():
                 executor.step()
+            if executor.recorder is not None:  # a failing check's re-run: micro-batches numbered across the run
+                first = (i * replica.count + replica.index) * spec.step.schedule.n_microbatches
+                report.boundaries.update({(stage, first + mb, point, name): value for (stage, mb, point, name), value
+                                          in executor.recorder.exported().items()})
             for stage, stage_grads in executor.result.stage_grads.items():
                 add_param_grads(grads.setdefault(stage, {}), {f: v.detach() for f, v in stage_grads.items()})
             report.outputs.append(executor.result.outputs)
