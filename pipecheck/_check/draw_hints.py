@@ -1,6 +1,6 @@
 """Hints for a failing check of a model with random ops: which micro-batch's numbers a runner drew.
 
-    hint = wrong_draws_hint(job, t, outputs, params)   # "micro-batch 0 drew micro-batch 1's random numbers ..."
+    hint = wrong_draws_hint(job, t, outputs, start)   # "micro-batch 0 drew micro-batch 1's random numbers ..."
 
 Computed only on failure (a what-if of the reference, one micro-batch forward per candidate), never
 changing a verdict.
@@ -8,13 +8,14 @@ changing a verdict.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from pipecheck._check.diagnose import matches
+from pipecheck._check.train_locate import pipe_at
+from pipecheck._core.result import StepResult
 from pipecheck._runners.job import Job
 from pipecheck._runtime.randomness import microbatch, schedule_step
 from pipecheck._runtime.reference import DetachExecutor
@@ -24,21 +25,15 @@ from pipecheck._split.microbatch import split_microbatches
 MAX_MICROBATCHES = 8  # n * n forwards of one micro-batch at most: beyond, no hint
 
 
-def wrong_draws_hint(job: Job, step: int, outputs: Any, params: Mapping[str, torch.Tensor]) -> str | None:
+def wrong_draws_hint(job: Job, step: int, outputs: Any, start: StepResult | None) -> str | None:
     """Whether the runner's outputs of optimizer step ``step``'s first schedule step are, micro-batch by
-    micro-batch, the reference's forward under another micro-batch's draws. ``params``: the parameters
-    the step started from (empty: the model's own)."""
+    micro-batch, the reference's forward under another micro-batch's draws. ``start``: eager's state the
+    step started from (None: as built)."""
     n, seed = job.n_microbatches, job.training.random_seed
     if seed is None or n < 2 or n > MAX_MICROBATCHES or job.training.data_parallel != 1:
         return None
     batch = job.optimizer_steps()[step][0]
-    pipe = job.split()
-    with torch.no_grad():
-        for stage in pipe.stages:
-            for local, param in stage.module.named_parameters():
-                value = params.get(stage.local_to_fqn.get(local, ""))
-                if value is not None:
-                    param.copy_(value.to(param))
+    pipe = pipe_at(job, start)
     executor = DetachExecutor(pipe)
     chunks = split_microbatches(pipe.bind_inputs(as_args(batch.args), dict(batch.kwargs)), n)
     leaves = [leaf for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]

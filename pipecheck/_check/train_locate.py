@@ -52,7 +52,7 @@ from pipecheck._runtime.boundaries import (
     producers_of,
     recording,
 )
-from pipecheck._runtime.randomness import follow, microbatch, schedule_step
+from pipecheck._runtime.randomness import microbatch, schedule_step
 from pipecheck._runtime.reference import DetachExecutor, sum_stage_grads
 from pipecheck._split.inputs import as_args
 from pipecheck._split.microbatch import split_microbatches
@@ -119,12 +119,11 @@ def _locate(report: Report, run: Any, runner_name: str, job: Job, fresh_batches:
 
 
 def pipe_at(job: Job, start: StepResult | None) -> Pipe:
-    """A private split holding eager's parameters and buffers after ``start`` (None: as built), drawing
-    its dropout by pipecheck's contract."""
+    """A private split holding eager's parameters and buffers after ``start`` (None: as built); its stages
+    draw by pipecheck's randomness contract inside :func:`drawing`."""
     pipe = job.split()
     with torch.no_grad():
         for stage in pipe.stages:
-            follow(stage.module, job.training.dropout)
             if start is None:
                 continue
             for local, param in stage.module.named_parameters(remove_duplicate=False):
@@ -168,7 +167,7 @@ def reference_step(job: Job, t: int, start: StepResult | None) -> StepTruth:
                     forwards = executor.forward_microbatch(values)
                     loss = loss_of(mb, pytree.tree_unflatten(list(forwards[-1].outputs), pipe.out_spec))
                 per_stage: list[dict[str, torch.Tensor]] = [{} for _ in pipe.stages]
-                with microbatch(mb):
+                with microbatch(mb, backward=True):
                     executor.backward_microbatch(mb, forwards, loss, reduction.weight, per_stage,
                                                  [set() for _ in pipe.stages], {})
                 made.shares.append(sum_stage_grads(per_stage))

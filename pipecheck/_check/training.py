@@ -404,7 +404,7 @@ def _hint_step(t: int, rows: list[Row], results: list[StepResult], truth: list[S
     outputs_fail = [row for row in rows if row.kind == "outputs" and not row.ok]
     if job.training.random_seed is not None and outputs_fail:  # the runner's draws of another micro-batch?
         test = results[t].outputs if job.training.accumulation_steps == 1 else results[t].outputs[0]
-        hint = wrong_draws_hint(job, t, test, truth[t - 1].params if t > 0 else {})
+        hint = wrong_draws_hint(job, t, test, truth[t - 1] if t > 0 else None)
         if hint is not None:
             hints[outputs_fail[0].name] = hint
             return
