@@ -7,6 +7,7 @@ Its stages are its own modules, not pipecheck's split: rank 0 runs ``embed`` and
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from typing import Any
 
@@ -31,20 +32,56 @@ class SkipNet(nn.Module):
         return self.head(self.block(h) + h)
 
 
+class DropSkipNet(SkipNet):
+    """SkipNet with dropout on both sides of the cut (train mode): its engine draws by pipecheck's contract."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block.insert(2, nn.Dropout(0.3))  # stage 0: block.0, block.1, block.2 (dropout); stage 1: block.3
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.head(self.drop(self.block(h)) + h)
+
+
+RANDOM_CUT = {"block.3": pc.SplitPoint.BEGINNING}
+
+
+def _stage0(model: SkipNet, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = model.embed(x)
+    return h, model.block[:-1](h)
+
+
+def _stage1(model: SkipNet, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    y = model.block[-1](y)
+    return model.head((model.drop(y) if isinstance(model, DropSkipNet) else y) + h)
+
+
 def run_stage(ctx: Any, model_fn: Any, x: torch.Tensor, target: torch.Tensor, loss_fn: Any, n: int,
-              recorders: list[pc.StageRecorder], bugs: frozenset[str]) -> tuple[Any, ...]:
+              recorders: list[pc.StageRecorder], bugs: frozenset[str], seed: int | None = None,
+              step: int = 0) -> tuple[Any, ...]:
     """One rank's share of a GPipe step. ``bugs``: "scale_mb2" (stage 1 scales its input for micro-batch 2),
     "drop_skip_grad" (stage 1 sends zeros for the skip's gradient), "inputs_out_of_order" (stage 1 records
-    its inputs in its own order), "whole_batch" (stage 0 records the whole batch as its input)."""
+    its inputs in its own order), "whole_batch" (stage 0 records the whole batch as its input),
+    "draws_next_mb" (each stage draws the next micro-batch's random numbers). ``seed``: the job's
+    random_seed; every stage forward then draws inside pc.randomness.drawing, as the contract says."""
     model, recorder, peer = model_fn(), recorders[ctx.rank], 1 - ctx.rank
     xs, targets = pc.split_microbatches(x, n), pc.split_microbatches(target, n, "target")
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     outputs: list[torch.Tensor] = []
     losses: list[torch.Tensor] = []
+
+    def drawing(mb: int) -> Any:
+        if seed is None:
+            return contextlib.nullcontext()
+        drawn = (mb + 1) % n if "draws_next_mb" in bugs else mb
+        return pc.randomness.drawing(seed, stage=ctx.rank, microbatch=drawn, step=step)
+
     for mb in range(n):
         if ctx.rank == 0:
-            h = model.embed(xs[mb])
-            y = model.block[:2](h)
+            with drawing(mb):
+                h, y = _stage0(model, xs[mb])
             recorder.inputs(mb, x if "whole_batch" in bugs else xs[mb])
             recorder.outputs(mb, h, y)
             dist.send(y.detach(), peer)
@@ -58,7 +95,8 @@ def run_stage(ctx: Any, model_fn: Any, x: torch.Tensor, target: torch.Tensor, lo
             h.requires_grad_()
             recorder.inputs(mb, *((h, y) if "inputs_out_of_order" in bugs else (y, h)))
             used = y * 1.5 if "scale_mb2" in bugs and mb == 2 else y
-            out = model.head(model.block[2](used) + h)
+            with drawing(mb):
+                out = _stage1(model, used, h)
             recorder.outputs(mb, out)
             losses.append(loss_fn(out, targets[mb]))
             outputs.append(out.detach())
@@ -83,20 +121,27 @@ def run_stage(ctx: Any, model_fn: Any, x: torch.Tensor, target: torch.Tensor, lo
 
 
 class TwoProcessEngine:
-    """The engine's driver: both stages on ``job.world``'s two ranks, the recorders sent there and back."""
+    """The engine's driver: both stages on ``job.world``'s two ranks, the recorders sent there and back. It
+    follows pipecheck's randomness contract (a model with dropout: ``job.random_seed`` is set)."""
+
+    follows_random_contract = True
 
     def __init__(self, *bugs: str) -> None:
         self.bugs = frozenset(bugs)
         self.__name__ = "+".join(sorted(bugs)) or "correct"
 
-    def __call__(self, job: pc.Job) -> pc.StepResult:
+    def __call__(self, job: pc.Job, step: int = 0) -> pc.StepResult:
         assert job.world is not None
         recorders = [job.recorder(0), job.recorder(1)]
         (grads0, _, _, rec0), (grads1, outputs, losses, rec1) = job.world.run(
             run_stage, job.model, job.args[0], job.target, job.loss_fn, job.n_microbatches, recorders, self.bugs,
-            timeout=60)
+            job.random_seed, step, timeout=60)
         return pc.StepResult(pc.merge_microbatches(outputs), torch.stack(losses).mean(), {**grads0, **grads1},
                              boundaries=job.recorded([rec0, rec1]))
+
+    def train(self, job: pc.Job) -> list[pc.StepResult]:
+        """Optimizer steps without an optimizer (a check of a model with dropout is a training check)."""
+        return [self(job.with_batch(batch), t) for t, [batch] in enumerate(job.optimizer_steps())]
 
 
 class StageOne(nn.Module):

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from _recording_engine import CUT, SkipNet, TwoProcessEngine
+from _recording_engine import CUT, RANDOM_CUT, DropSkipNet, SkipNet, TwoProcessEngine
 
 import pipecheck as pc
 
@@ -80,3 +80,28 @@ def test_a_recording_of_another_shape_in_the_check_s_process_is_said_in_full() -
     assert caught.value.report.located.startswith(
         "the divergence was not located: the runner's recording does not fit pipecheck's split: stage 0's inputs "
         "for micro-batch 0: position 0 'x' has shape (8, 16) where pipecheck's split has (2, 16)")
+
+
+def _random_check(engine: TwoProcessEngine, world: Any) -> pc.Report:
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    return pc.assert_equivalent(DropSkipNet, (x,), split_spec=RANDOM_CUT, n_microbatches=4, runner=engine,
+                                world=world, steps=2)
+
+
+def test_an_engine_in_its_own_processes_follows_the_randomness_contract(pipecheck_world: Any) -> None:
+    """Its ranks call pc.randomness.drawing around their own modules (not pipecheck's split): its dropout
+    masks are eager's, step after step."""
+    report = _random_check(TwoProcessEngine(), pipecheck_world(2))
+    assert report.ok and "2 random ops drawn by pipecheck's randomness contract" in report.headline()
+
+
+def test_an_engine_in_its_own_processes_drawing_the_next_microbatch_s_numbers_fails_where_it_draws(
+        pipecheck_world: Any) -> None:
+    with pytest.raises(pc.EquivalenceError) as caught:
+        _random_check(TwoProcessEngine("draws_next_mb"), pipecheck_world(2))
+    report = caught.value.report
+    assert not report.row("step 0: output").ok
+    found = report.first_divergence
+    assert found is not None and (found.stage, found.direction, found.optimizer_step) == (0, "forward", 0), \
+        report.located
