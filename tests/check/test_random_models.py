@@ -110,3 +110,25 @@ def test_a_model_that_recomputes_its_dropout_without_restoring_the_rng_state_is_
 
 def _sgd(params):  # type: ignore[no-untyped-def]
     return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.gpu(n=1)
+def test_dropout_on_a_gpu_draws_by_the_contract_and_fused_attention_dropout_is_refused() -> None:
+    """On CUDA the stages draw from the device's generator (fused native_dropout), eager and the float64
+    truth replay those masks; flash/efficient attention draws its mask inside the kernel: refused, with
+    the math kernel as the fix, which then checks."""
+    from _training_models import make_dropout_net
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with pc.World(2, device="cuda") as world:
+        for runner in ("reference", "distributed"):
+            report = pc.assert_equivalent(make_dropout_net, (torch.randn(16, 8),), n_microbatches=4, device="cuda",
+                                          runner=runner, world=world, steps=2)
+            assert report.ok, report
+    spec = {"transformer.h.1": pc.SplitPoint.BEGINNING}
+    with pytest.raises(pc.InputError, match="fused kernel"):
+        pc.assert_equivalent(gpt2, (IDS,), split_spec=spec, n_microbatches=2, device="cuda", dtype=torch.float16,
+                             runner="reference")
+    with sdpa_kernel(SDPBackend.MATH):
+        assert pc.assert_equivalent(gpt2, (IDS,), split_spec=spec, n_microbatches=2, device="cuda",
+                                    runner="reference").ok
