@@ -77,10 +77,10 @@ def _compare_grads(pipe: Pipe, job: Job, result: StepResult, eager: StepResult, 
     for name, e_grad in eager.input_grads.items():
         _grad_row(f"grad input {name}", result.input_grads.get(name), e_grad, ref64.input_grads[name],
                   tolerance, _consumers(pipe, name), job, rows, hints, truth_error=_error(ref64, "input_grads", name))
-    _unexpected_grads(result.grads, eager.grads, "grad ", pipe.param_stages, rows, hints,
+    unexpected_grads(result.grads, eager.grads, "grad ", pipe.param_stages, rows, hints,
                       "eager computes no gradient here (an unused or frozen parameter, or not an original FQN: "
                       "runners key gradients by model.named_parameters() names)")
-    _unexpected_grads(result.input_grads, eager.input_grads, "grad input ", lambda name: _consumers(pipe, name),
+    unexpected_grads(result.input_grads, eager.input_grads, "grad input ", lambda name: _consumers(pipe, name),
                       rows, hints, "eager computes no gradient for this input (it does not require grad, or "
                       "no output depends on it through a differentiable path): a runner must not invent one")
 
@@ -221,7 +221,7 @@ def _compare_param_grads(pipe: Pipe, job: Job, result: StepResult, eager: StepRe
                       job, rows, hints, shares_of(fqn), error)
 
 
-def _unexpected_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], prefix: str,
+def unexpected_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], prefix: str,
                       stages_of: Callable[[str], tuple[int, ...]], rows: list[Row], hints: dict[str, str],
                       hint: str) -> None:
     """A gradient eager does not have must be absent or all zeros: an optimizer would apply it."""

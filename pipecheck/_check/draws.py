@@ -80,9 +80,25 @@ def _own_generator(args: Any, kwargs: Any) -> bool:
 
 
 def _compact(value: torch.Tensor, op: str) -> torch.Tensor:
+    """A draw as kept until eager replays it: on the CPU (the device's memory is the check's), 0/1 as bool."""
     if value.dtype != torch.bool and op.startswith("aten::bernoulli"):
-        return value.detach().to(torch.bool)  # 0 or 1 by construction: a quarter of the memory
-    return value.detach().clone()
+        value = value.detach().to(torch.bool)  # 0 or 1 by construction: a quarter of the memory
+    return value.detach().to("cpu", copy=True)
+
+
+def _unreplayable(name: str, stage: int | None) -> InputError:
+    """The refusal of a random op whose draw is not its output (its mask stays inside the kernel)."""
+    attention = "attention" in name
+    where = ("inside a fused attention kernel (flash or memory-efficient attention with dropout, on CUDA)"
+             if attention else "inside the op, whose output is not the draw")
+    fix = ("attention dropout through the math kernel (torch.nn.attention.sdpa_kernel(SDPBackend.MATH) around the "
+           "check, or a HF model with attn_implementation='eager')" if attention else
+           "the randomness as its own op (dropout, bernoulli_, rand) where the model allows it (an nn.LSTM's "
+           "dropout= as nn.Dropout between single-layer LSTMs; nn.RReLU as a LeakyReLU with a slope drawn by "
+           "torch.rand)")
+    return InputError(f"the model's op {name} (stage {stage}) draws its random numbers {where}, which pipecheck "
+                      f"cannot replay into eager and its float64 truth. Fix: {fix}; model.eval() checks the "
+                      "deterministic model only.")
 
 
 class _Recorder(TorchDispatchMode):
@@ -105,12 +121,7 @@ class _Recorder(TorchDispatchMode):
                                      "generators per stage and micro-batch). Fix: draw from torch's default "
                                      "generator (no generator= argument), or check the model without that op.")
                 if name not in _REPLAYABLE:
-                    raise InputError(
-                        f"the model's op {name} (stage {self.stage[0]}) draws its random numbers inside a fused "
-                        "kernel (attention dropout in flash or memory-efficient attention, on CUDA), which pipecheck "
-                        "cannot replay into eager and its float64 truth. Fix: attention dropout through the math "
-                        "kernel (torch.nn.attention.sdpa_kernel(SDPBackend.MATH) around the check, or a HF model "
-                        "with attn_implementation='eager'); model.eval() checks the deterministic model only.")
+                    raise _unreplayable(name, self.stage[0])
                 leaves = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
                 self.draws.by_position.setdefault(here, []).append(
                     Draw(name, self.stage[0], [_compact(leaf, name) for leaf in leaves]))
@@ -217,8 +228,10 @@ class Replay(TorchDispatchMode):
                              "without random ops.")
         k = self.cursor.get(here, 0)
         if self.probing:  # the determinism probe: the k-th draw of every probing forward is the same
-            with torch.random.fork_rng(devices=[]):
-                torch.random.default_generator.manual_seed(k)
+            devices = sorted({leaf.device.index or 0 for leaf in pytree.tree_leaves((args, kwargs))
+                              if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda"})
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(k)  # CPU and every CUDA device's generator
                 out = func(*args, **kwargs)
             self.cursor[here] = k + 1
             return out
@@ -259,3 +272,19 @@ class Replay(TorchDispatchMode):
                 leaves[0].copy_(args[0] * leaves[1] * (1.0 / (1.0 - p)) if p < 1 else args[0] * 0)
         self._mark(here, k + 1)
         return pytree.tree_unflatten(leaves, spec)
+
+
+class LossDraws(TorchDispatchMode):
+    """A loss function that draws from torch's default generators is refused: eager and a runner would
+    draw other numbers for it, outside every stage (pipecheck's own projection draws from its own)."""
+
+    supports_higher_order_operators = True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _seeded(func, args, kwargs) and not _own_generator(args, kwargs):
+            raise InputError(f"the loss function draws random numbers ({func._schema.name}), which no stage "
+                             "draws: eager and a runner draw other numbers for it, so no check can compare them. "
+                             "Fix: a loss without random ops (dropout belongs in the model, whose random ops "
+                             "pipecheck's randomness contract covers).")
+        return func(*args, **kwargs)

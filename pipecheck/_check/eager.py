@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from pipecheck._check.draws import LossDraws
 from pipecheck._check.numerics import nonfinite
 from pipecheck._core.precision import PLAIN, Precision
 from pipecheck._core.result import StepResult
@@ -74,7 +75,8 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
     losses = []
     for mb, out in enumerate(outputs):
         with precision.forward(device):
-            losses.append(loss_of(mb, out))
+            with LossDraws():
+                losses.append(loss_of(mb, out))
     loss = torch.stack(losses).mean()
     grads: dict[str, torch.Tensor] = {}
     input_grads: dict[str, torch.Tensor] = {}
@@ -141,7 +143,8 @@ def _each_microbatch(model: nn.Module, bound: inspect.BoundArguments, calls: lis
     for mb, call in enumerate(calls):
         with precision.forward(device):  # the loss too, as a training loop under autocast computes it
             out = _call(model, call, n, whole=bound)
-            loss = loss_of(mb, out)
+            with LossDraws():
+                loss = loss_of(mb, out)
         got: Sequence[torch.Tensor | None] = (_gradients(model, loss / n, wrt) if wrt and loss.requires_grad
                                               else [None] * len(wrt))
         yield _detached(out), loss.detach(), got

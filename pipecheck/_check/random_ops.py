@@ -46,6 +46,18 @@ def _nodes(module: fx.GraphModule) -> Iterator[tuple[nn.Module, fx.Node]]:
                 yield from _nodes(region.module)
 
 
+def _inner_dropout(module: nn.Module) -> str:
+    """What draws inside a module fx keeps whole (``nn.TransformerEncoderLayer``, ``nn.LSTM``), "" if nothing."""
+    if not module.training:
+        return ""
+    for name, inner in module.named_modules():
+        if isinstance(inner, nn.modules.dropout._DropoutNd) and inner.training and inner.p > 0:
+            return f"its {name or 'own'} dropout"
+        if isinstance(getattr(inner, "dropout", None), float) and inner.dropout > 0:  # nn.RNN/LSTM/GRU, attention
+            return f"dropout={inner.dropout} in {name or 'it'}"
+    return ""
+
+
 def _argument(node: fx.Node, position: int, name: str, default: Any) -> Any:
     if name in node.kwargs:
         return node.kwargs[name]
@@ -67,7 +79,8 @@ def _random(owner: nn.Module, node: fx.Node) -> str | None:
             return None
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
             return f"{node.target} ({type(module).__name__})"
-        return None
+        inner = _inner_dropout(module)
+        return f"{node.target} ({type(module).__name__}, {inner})" if inner else None
     target = node.target
     if node.op == "call_method":
         return f".{target}() ({node.name})" if target in _RANDOM_METHODS else None

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from pipecheck._check.draws import LossDraws
 from pipecheck._check.eager import _call, _detached, _gradients
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, Training
@@ -89,7 +90,9 @@ def train_eager(model: nn.Module, batches: list[Inputs], training: Training, los
             mb_outputs = forwards.pop(i)
             losses_of = [MicrobatchLoss(loss_fn or projection_loss, shard, n_microbatches, reduction)
                          for shard in shard_batch(used[i], d, uneven, "target")]
-            mb_losses = [losses_of[mb // n_microbatches](mb % n_microbatches, out) for mb, out in enumerate(mb_outputs)]
+            with LossDraws():
+                mb_losses = [losses_of[mb // n_microbatches](mb % n_microbatches, out)
+                             for mb, out in enumerate(mb_outputs)]
             total = torch.stack(mb_losses).sum() * reduction.weight if summation is None \
                 else summation([loss * reduction.weight for loss in mb_losses])
             # With dropout drawn by pipecheck's contract, each micro-batch's backward runs as its own (a

@@ -28,6 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecheck._check.anchor import low_precision, training_anchor
+from pipecheck._check.compare import unexpected_grads
 from pipecheck._check.determinism import check_deterministic
 from pipecheck._check.diagnose import diagnose_grad, matches
 from pipecheck._check.draw_hints import wrong_draws_hint
@@ -346,6 +347,7 @@ def _step_rows(pipe: Pipe, job: Job, prefix: str, result: StepResult, eager: Ste
             for stage, replica in sorted(result.replica_grads.get(fqn, {}).items()):
                 rows.append(compare(f"{prefix}grad {fqn} (replica in stage {stage})", replica, grad,
                                     truth.grads[fqn], tolerance, (stage,), kind="grads", truth_error=moved))
+        unexpected_grads(result.grads, eager.grads, f"{prefix}grad ", pipe.param_stages, rows, {}, "")  # must be 0
     for fqn, param in eager.params.items():
         stages, moved = pipe.param_stages(fqn), drift.params.get(fqn)
         rows.append(compare(f"{prefix}param {fqn}", result.params.get(fqn), param, truth.params[fqn], tolerance,

@@ -132,3 +132,97 @@ def test_dropout_on_a_gpu_draws_by_the_contract_and_fused_attention_dropout_is_r
     with sdpa_kernel(SDPBackend.MATH):
         assert pc.assert_equivalent(gpt2, (IDS,), split_spec=spec, n_microbatches=2, device="cuda",
                                     runner="reference").ok
+
+
+class TorchLayers(nn.Module):
+    """nn.TransformerEncoderLayer (dropout 0.1 inside, F.dropout and attention dropout) kept whole by fx."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_dropout_inside_a_module_fx_keeps_whole_is_seen_and_checked() -> None:
+    torch.manual_seed(0)
+    report = pc.assert_equivalent(TorchLayers(), (torch.randn(4, 5, 16),), split_spec={"layers.1":
+                                  pc.SplitPoint.BEGINNING}, n_microbatches=2, runner="reference")
+    assert report.ok and report.tracer == "fx", report
+    assert "2 random ops" in report.headline()
+
+
+class LstmDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(8, 8, num_layers=2, dropout=0.3, batch_first=True), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.rnn(x)[0]
+        pc.pipe_split()
+        return self.head(h)
+
+
+class RandomSlope(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.drop, self.b = nn.Linear(8, 8), nn.RReLU(), nn.Dropout(0.2), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.act(self.a(x)))
+        pc.pipe_split()
+        return self.b(h)
+
+
+def test_an_lstm_s_dropout_between_its_layers_is_seen_and_checked_on_the_cpu() -> None:
+    """fx keeps nn.LSTM whole; on the CPU its dropout runs as dropout ops (cuDNN's fused RNN on a GPU draws
+    inside itself: refused as the next test's op is)."""
+    torch.manual_seed(0)
+    report = pc.assert_equivalent(LstmDropout(), (torch.randn(4, 3, 8),), n_microbatches=2, runner="reference")
+    assert report.ok and "1 random op" in report.headline()
+
+
+def test_an_op_that_draws_inside_itself_is_refused_naming_it() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(pc.InputError) as refused:
+        pc.assert_equivalent(RandomSlope(), (torch.randn(4, 8),), n_microbatches=2, runner="reference")
+    text = str(refused.value)
+    assert ("the model's op aten::rrelu_with_noise (stage 0) draws its random numbers inside the op, whose output is "
+            "not the draw") in text and "attention" not in text, text
+
+
+def test_a_loss_that_draws_random_numbers_is_refused_whatever_the_model_draws() -> None:
+    """A deterministic model with dropout in its loss: eager and a runner would draw other masks for it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(F.dropout(out, 0.2), target)
+
+    for make in (lambda: model, lambda: nn.Sequential(*model, nn.Dropout(0.1))):
+        with pytest.raises(pc.InputError, match=r"the loss function draws random numbers \(aten::bernoulli_\)"):
+            pc.assert_equivalent(make(), (torch.randn(8, 8),), loss_fn=loss, target=torch.randn(8, 4),
+                                 split_spec={"2": pc.SplitPoint.BEGINNING}, n_microbatches=2, runner="reference")
+
+
+def test_a_gradient_eager_does_not_have_fails_a_check_of_a_random_model() -> None:
+    """A model with dropout is checked as a training check: a runner's extra gradient (of a parameter eager
+    leaves without one) is a failing row there too, as in a one-step check."""
+    from mutants.random_draws import DrawingEngine
+
+    class Extra(DrawingEngine):
+        def train(self, job):  # type: ignore[no-untyped-def]
+            results = super().train(job)
+            for result in results:
+                result.grads["l0.weight"] = result.grads["l0.weight"]
+                result.grads["unused"] = torch.ones(3)
+            return results
+
+    from _training_models import make_dropout_net
+
+    with pytest.raises(pc.EquivalenceError) as caught:
+        pc.assert_equivalent(make_dropout_net, (torch.randn(8, 8),), n_microbatches=2, runner=Extra())
+    assert not caught.value.report.row("grad unused").ok
