@@ -14,6 +14,9 @@ float64 there): ``case.check()`` then raises :class:`pipecheck.PowerError`, whic
 
 ``models()`` draws a :class:`ModelSpec`, ``cut_points(spec)`` its split_specs,
 ``inputs(spec)`` its inputs, ``pipeline_cases()`` a whole :class:`PipelineCase`.
+Random layers (``RANDOM_FEATURES``: dropout in its forms, stochastic depth, a
+checkpointed block with dropout) are drawn by ``pipeline_cases()`` when every
+runner follows pipecheck's randomness contract, and by ``models()`` when named.
 A failing example shrinks to a small case; ``case.repro()`` (appended to the
 error by ``case.check()``) is a script that rebuilds the model with nothing but
 torch and makes the exact failing ``pc.assert_equivalent`` call.
@@ -24,6 +27,7 @@ from pipecheck.strategies._internal.cases import PipelineCase, pipeline_cases
 from pipecheck.strategies._internal.cuts import CROSSINGS, CUT_KINDS, cut_points
 from pipecheck.strategies._internal.description import (
     FEATURES,
+    RANDOM_FEATURES,
     InputSpec,
     LayerSpec,
     ModelSpec,
@@ -45,6 +49,7 @@ __all__ = [
     "OPTIMIZERS",
     "OutputSpec",
     "PipelineCase",
+    "RANDOM_FEATURES",
     "build",
     "cut_points",
     "features",

@@ -230,7 +230,7 @@ def test_a_tied_model_shrinks_to_a_linear_and_its_tied_twin() -> None:
 
 
 def test_features_names_every_feature_a_spec_uses() -> None:
-    assert pst.features(ALL_BUT_TUPLE) == set(pst.FEATURES) - {"multi_output", "dropout"}
+    assert pst.features(ALL_BUT_TUPLE) == set(pst.FEATURES) - {"multi_output", *pst.RANDOM_FEATURES}
     dropped = dataclasses.replace(ALL_BUT_TUPLE, layers=(*ALL_BUT_TUPLE.layers, LayerSpec("dropout", (17,), 5)),
                                   outputs=OutputSpec("dict", (18, 4, 0)))
     assert "dropout" in pst.features(dropped)
@@ -367,7 +367,8 @@ def test_repr_reproduces_the_call(strategy: object, expected: str) -> None:
                                             "['bogus']; choose from ['linear', "),
         ({"features": []}, "features=[] has no layer that fits at any position; add one of "
                            "['linear', 'layernorm', 'activation', 'buffer', 'kwarg', "
-                           "'kwarg_default', 'function', 'running', 'replicated', 'dropout']"),
+                           "'kwarg_default', 'function', 'running', 'replicated', 'dropout', "
+                           "'functional_dropout', 'attention_dropout', 'channel_dropout', 'checkpointed_dropout']"),
         ({"features": ["residual", "multi_output"]}, "has no layer that fits at any position"),
         ({"features": ["tied", "layernorm"]}, "has 'tied' but no layer owning a weight to tie "
                                               "to; add 'linear' or 'embedding'"),

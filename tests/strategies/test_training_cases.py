@@ -57,12 +57,11 @@ def test_training_cases_draw_dropout_and_it_matches_on_both_runners_that_follow_
 
 
 def test_dropout_is_drawn_only_where_asked_for() -> None:
-    """One-step cases and plain models() have no randomness (most runners refuse it); features=[...] names it."""
-    assert "dropout" in pst.FEATURES
+    """Plain models() have no randomness (most runners refuse it); features=[...] names it. Cases draw it for the
+    runners that follow the randomness contract (test_random_cases.py)."""
+    assert "dropout" in pst.FEATURES and "dropout" in pst.RANDOM_FEATURES
     with pytest.raises(NoSuchExample):
         find(pst.models(), lambda spec: "dropout" in pst.features(spec), settings=EXACT)
-    with pytest.raises(NoSuchExample):
-        find(pst.pipeline_cases(), lambda case: "dropout" in case.features(), settings=EXACT)
     spec = find(pst.models(features=["linear", "dropout"]), lambda spec: "dropout" in pst.features(spec),
                 settings=EXACT)
     assert isinstance(pst.build(spec).get_submodule("l0"), torch.nn.Dropout)

@@ -36,13 +36,19 @@ _CUSTOM_CLASS = {
     "tied": layers.TiedLinear, "kwarg": layers.AddInput, "running": layers.RunningMean,
     "replicated": layers.ScaleByInput,
 }
+# The random layers (RANDOM_FEATURES but nn.Dropout), each made with its probability DROPOUT_P.
+_RANDOM_CLASS = {
+    "functional_dropout": layers.FunctionalDropout, "attention_dropout": layers.AttentionDropout,
+    "channel_dropout": layers.ChannelDropout, "stochastic_depth": layers.StochasticDepth,
+    "checkpointed_dropout": layers.CheckpointedDropout,
+}
 _BUFFER_CLASS = {"mul": layers.Scale, "add": layers.Shift}
 _FUNCTION_CLASS = {"reverse": layers.ReverseGradient, "ste": layers.StraightThrough}
 # A layer's custom autograd.Function, written into a script before the layer that applies it.
 _AUTOGRAD_FUNCTION: dict[type, type] = {layers.ReverseGradient: layers.GradReverse,
                                          layers.StraightThrough: layers.RoundSTE}
 _LAYER_CLASSES: tuple[type, ...] = (*_AUTOGRAD_FUNCTION.values(), *_CUSTOM_CLASS.values(), *_BUFFER_CLASS.values(),
-                  *_FUNCTION_CLASS.values())
+                  *_FUNCTION_CLASS.values(), *_RANDOM_CLASS.values())
 
 
 @dataclass(frozen=True)
@@ -203,6 +209,10 @@ def init_plan(spec: ModelSpec) -> list[InitStep]:
             steps.append(InitStep(f"{name}.{target}", (layer.width,), center, bound))
         elif layer.kind == "running":
             steps.append(InitStep(f"{name}.mean", (layer.width,), 0.0, 0.1))
+        elif layer.kind == "checkpointed_dropout":
+            bound = 1.0 / in_width**0.5
+            steps.append(InitStep(f"{name}.linear.weight", (layer.width, in_width), 0.0, bound))
+            steps.append(InitStep(f"{name}.linear.bias", (layer.width,), 0.0, bound))
     return steps
 
 
@@ -211,7 +221,7 @@ def _class_of(layer: LayerSpec) -> type[torch.nn.Module] | None:
         return _BUFFER_CLASS[layer.op]
     if layer.kind == "function":
         return _FUNCTION_CLASS[layer.op]
-    return _CUSTOM_CLASS.get(layer.kind)
+    return _CUSTOM_CLASS.get(layer.kind) or _RANDOM_CLASS.get(layer.kind)
 
 
 def _value_name(spec: ModelSpec, value: int) -> str:
@@ -233,6 +243,12 @@ def _constructor(spec: ModelSpec, index: int) -> str:
         return f"torch.nn.{_ACTIVATION_CLASS[layer.op]}()"
     if layer.kind == "dropout":
         return f"torch.nn.Dropout({DROPOUT_P})"
+    if layer.kind == "checkpointed_dropout":
+        return f"CheckpointedDropout({layer.width}, {DROPOUT_P})"
+    if layer.kind == "channel_dropout":  # 2 channels of an even width, one feature each of an odd one
+        return f"ChannelDropout({DROPOUT_P}, {2 if layer.width % 2 == 0 else layer.width})"
+    if layer.kind in _RANDOM_CLASS:
+        return f"{_RANDOM_CLASS[layer.kind].__name__}({DROPOUT_P})"
     if layer.kind in ("buffer", "running"):
         return f"{_class_of(layer).__name__}({layer.width})"  # type: ignore[union-attr]
     if layer.kind == "function":

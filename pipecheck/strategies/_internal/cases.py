@@ -230,9 +230,11 @@ def pipeline_cases(
     divides the batch (and is at most ``max_microbatches``). ``training=True`` also draws a
     training loop: 1 to 3 optimizer steps of one of ``OPTIMIZERS`` (or none), 1 or 2 accumulation
     steps, a loss convention of ``LOSS_REDUCTIONS``, 1 or 2 data-parallel replicas (when the batch and
-    ``max_world_size`` allow), and, when every runner given follows pipecheck's randomness contract
-    ("reference", "distributed", or a runner with ``follows_random_contract``), its default models may
-    have ``nn.Dropout`` layers in train mode (give runners that train).
+    ``max_world_size`` allow). When every runner given follows pipecheck's randomness contract
+    ("reference", "distributed", or a runner with ``follows_random_contract``), the default models may
+    have random ops in train mode (``RANDOM_FEATURES``: ``nn.Dropout``, ``F.dropout``, SDPA's
+    ``dropout_p``, ``nn.Dropout1d``, stochastic depth, a checkpointed block with dropout), in one-step
+    cases and training ones alike; with any other runner they have none.
 
     Shrinks towards fewer layers (and the model's own shrinking), fewer
     stages and earlier cuts, the first runner given, fp32 (when allowed), the
@@ -273,8 +275,8 @@ def _draw_pipeline_cases(
     runner = _pick(draw, config.runners)
     dtype = _pick(draw, config.dtypes)
     schedule = _pick(draw, config.schedules)
-    dropout = training and models is None and all(_follows_random_contract(r) for r in config.runners)
-    spec = draw(_default_models(max(1, config.min_stages), dropout=True) if dropout else config.models)
+    random = models is None and all(_follows_random_contract(r) for r in config.runners)
+    spec = draw(_default_models(max(1, config.min_stages), random=True) if random else config.models)
     plan = cut_plan(spec)
     fixed = stages_per_rank_of(schedule)  # 1f1b and zb: 1 stage per rank; zbv: 2, in a V
     per_rank_cap = fixed or config.max_stages_per_rank
@@ -318,8 +320,8 @@ _pipeline_cases = st.composite(_draw_pipeline_cases)
 
 
 def _follows_random_contract(runner: Any) -> bool:
-    """Whether ``runner`` draws dropout masks by pipecheck's randomness contract (a model with dropout is
-    refused by the others): "reference" and "distributed", or a runner that says so."""
+    """Whether ``runner`` draws random numbers by pipecheck's randomness contract (a model with random ops
+    is refused by the others): "reference" and "distributed", or a runner that says so."""
     if isinstance(runner, str):
         return runner in ("reference", "distributed")
     return bool(getattr(runner, "follows_random_contract", False))
@@ -331,9 +333,9 @@ def _pick(draw: st.DrawFn, options: tuple[Any, ...]) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _default_models(min_layers: int, dropout: bool = False) -> st.SearchStrategy[ModelSpec]:
-    """``models(min_layers=...)``; with ``dropout``, every feature (a training case's models may drop out)."""
-    return _models(min_layers=min_layers, features=FEATURES if dropout else None)
+def _default_models(min_layers: int, random: bool = False) -> st.SearchStrategy[ModelSpec]:
+    """``models(min_layers=...)``; with ``random``, every feature (the random ones of RANDOM_FEATURES too)."""
+    return _models(min_layers=min_layers, features=FEATURES if random else None)
 
 
 def _checked(

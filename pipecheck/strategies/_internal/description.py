@@ -30,6 +30,7 @@ X = -1
 LayerKind = Literal[
     "linear", "layernorm", "activation", "embedding", "add", "concat",
     "multiply", "buffer", "tied", "kwarg", "function", "running", "replicated", "dropout",
+    "functional_dropout", "attention_dropout", "channel_dropout", "stochastic_depth", "checkpointed_dropout",
 ]
 InputRole = Literal["x", "ids", "kwarg", "replicated"]
 OutputKind = Literal["single", "tuple", "dict"]
@@ -40,18 +41,30 @@ FUNCTION_OPS = ("reverse", "ste")  # gradient reversal; straight-through roundin
 FEATURES = (
     "linear", "layernorm", "activation", "embedding", "residual", "concat", "multiply",
     "buffer", "tied", "kwarg", "kwarg_default", "multi_output", "dict_output",
-    "function", "running", "replicated", "dropout",
+    "function", "running", "replicated", "dropout", "functional_dropout", "attention_dropout",
+    "channel_dropout", "stochastic_depth", "checkpointed_dropout",
 )
 """Every name :func:`features` can report, in a fixed order."""
 
-OPT_IN = ("dropout",)
-"""Features a model has only when asked for by name: an ``nn.Dropout`` (p = ``DROPOUT_P``) in train mode is
-checked by the runners that follow pipecheck's randomness contract and refused by the others."""
+RANDOM_FEATURES = ("dropout", "functional_dropout", "attention_dropout", "channel_dropout", "stochastic_depth",
+                   "checkpointed_dropout")
+"""The features that draw random numbers in train mode, each with p = ``DROPOUT_P``: ``nn.Dropout``;
+``F.dropout(h, p, training=self.training)`` in forward; ``scaled_dot_product_attention``'s ``dropout_p``
+(self-attention over the features as tokens); ``nn.Dropout1d`` over channels of features (2 channels
+of an even width, one feature each of an odd one); stochastic
+depth (a residual branch scaled per sample by ``torch.empty(b, 1).bernoulli_(1 - p) / (1 - p)``); and a
+Linear + ``F.dropout`` block under ``torch.utils.checkpoint`` (``use_reentrant=False``,
+``preserve_rng_state=True``). They are checked by the runners that follow pipecheck's randomness
+contract and refused by the others."""
+
+OPT_IN = RANDOM_FEATURES
+"""Features a model has only when asked for by name (``models(features=...)``): the random ones."""
 
 DROPOUT_P = 0.25
 
 _LAYER_FEATURE = {"add": "residual"}
-_UNARY_SAME_WIDTH = ("layernorm", "activation", "buffer", "kwarg", "function", "running", "replicated", "dropout")
+_UNARY_SAME_WIDTH = ("layernorm", "activation", "buffer", "kwarg", "function", "running", "replicated", "dropout",
+                     "functional_dropout", "attention_dropout", "channel_dropout", "checkpointed_dropout")
 
 
 @dataclass(frozen=True, repr=False)
@@ -90,6 +103,8 @@ class LayerSpec:
     ``kwarg`` or ``replicated`` layer reads), ``tied_to`` and ``transpose`` (a ``tied`` layer
     uses the weight Parameter of the earlier ``linear``/``embedding`` layer
     ``tied_to``, transposed or not), ``bias`` (``linear`` and ``tied``).
+    A ``stochastic_depth`` layer reads ``(branch, skip)`` and returns ``skip + branch * mask``; the
+    other random kinds (:data:`RANDOM_FEATURES`) read one value and keep its width.
     """
 
     kind: LayerKind
@@ -246,20 +261,20 @@ def _layer_problems(spec: ModelSpec, index: int) -> list[str]:
     layer = spec.layers[index]
     if any(not X <= source < index for source in layer.sources):
         return [f"sources={layer.sources} must be earlier values, in [{X}, {index})"]
-    arity = {"embedding": 0, "add": 2, "concat": 2, "multiply": 2}.get(layer.kind, 1)
+    arity = {"embedding": 0, "add": 2, "concat": 2, "multiply": 2, "stochastic_depth": 2}.get(layer.kind, 1)
     if len(layer.sources) != arity:
         return [f"a {layer.kind} layer reads {arity} values, not {len(layer.sources)}"]
     widths = [spec.width(source) for source in layer.sources]
     if layer.kind == "concat":
         expected = sum(widths)
-    elif layer.kind in ("add", "multiply", *_UNARY_SAME_WIDTH):
+    elif layer.kind in ("add", "multiply", "stochastic_depth", *_UNARY_SAME_WIDTH):
         expected = widths[0]
     else:  # linear, embedding and tied choose their width (tied is checked below)
         expected = layer.width
     problems = []
     if layer.width < 1 or layer.width != expected:
         problems.append(f"width={layer.width} should be {expected} (must be >= 1)")
-    if layer.kind in ("add", "multiply") and widths[0] != widths[1]:
+    if layer.kind in ("add", "multiply", "stochastic_depth") and widths[0] != widths[1]:
         problems.append(f"reads values of different widths {widths}")
     if layer.kind == "activation" and layer.op not in ACTIVATIONS:
         problems.append(f"op={layer.op!r} is not one of {ACTIVATIONS}")

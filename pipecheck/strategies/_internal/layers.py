@@ -159,3 +159,73 @@ class ScaleByInput(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return h * scale
+
+
+class FunctionalDropout(torch.nn.Module):
+    """``F.dropout(h, p, training=self.training)``: dropout written in forward, not as a module."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(h, self.p, training=self.training)
+
+
+class AttentionDropout(torch.nn.Module):
+    """Self-attention over ``h``'s features as tokens (one feature each), its attention weights dropped out
+    by ``scaled_dot_product_attention``'s ``dropout_p`` in train mode, as every transformer's attention."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        tokens = h.unsqueeze(-1)  # (batch, width tokens, 1 feature)
+        mixed = torch.nn.functional.scaled_dot_product_attention(
+            tokens, tokens, tokens, dropout_p=self.p if self.training else 0.0)
+        return mixed.squeeze(-1)
+
+
+class ChannelDropout(torch.nn.Module):
+    """``nn.Dropout1d`` on ``h`` seen as ``(batch, channels, width // channels)``: whole channels dropped."""
+
+    def __init__(self, p: float, channels: int) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout1d(p)
+        self.channels = channels
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.drop(h.unflatten(-1, (self.channels, -1))).flatten(-2)
+
+
+class StochasticDepth(torch.nn.Module):
+    """``skip + branch * mask``: a residual branch kept per sample with probability ``1 - p`` in train mode
+    and scaled by ``1 / (1 - p)`` (stochastic depth, as torchvision's ``stochastic_depth(mode="row")``)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, branch: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return skip + branch
+        keep = 1.0 - self.p
+        mask = torch.empty((branch.shape[0], 1), dtype=branch.dtype, device=branch.device).bernoulli_(keep) / keep
+        return skip + branch * mask
+
+
+class CheckpointedDropout(torch.nn.Module):
+    """A Linear followed by dropout, under activation checkpointing: backward recomputes the block, and
+    its dropout draws the same mask again because the checkpoint restores torch's RNG state."""
+
+    def __init__(self, width: int, p: float) -> None:
+        super().__init__()
+        self.linear = torch.nn.utils.skip_init(torch.nn.Linear, width, width)
+        self.p = p
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.linear(h), self.p, training=self.training)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False, preserve_rng_state=True)

@@ -39,13 +39,19 @@ T = TypeVar("T")
 
 # A feature that needs another to be built at all brings it along.
 IMPLIED = {"concat": ("linear",), "embedding": ("residual",)}
-# Layer features that fit at any position; a model may be made of these alone.
+# The slots a layer's kind is picked from: features that fit at any position (a model may be made of these
+# alone) and features that join a second value (or weight) to the stream, when one fits. The "dropout" slot
+# holds every random layer of _RANDOM_UNARY and the "residual" slot stochastic depth too (a residual branch
+# kept or dropped): a model without random features draws the very choices it did before they existed.
 _ANYWHERE = ("linear", "layernorm", "activation", "buffer", "kwarg", "kwarg_default", "function", "running",
              "replicated", "dropout")
-# Layer kinds with parameters of their own (a tied layer's weight is another's).
-_WITH_PARAMETERS = ("linear", "layernorm", "embedding")
-# Layer features that join a second value (or weight) to the stream, when one fits.
 _JOINS = ("residual", "multiply", "concat", "embedding", "tied")
+# Random layers that read the previous value and keep its width, simplest first.
+_RANDOM_UNARY = ("dropout", "functional_dropout", "attention_dropout", "channel_dropout", "checkpointed_dropout")
+# Features that fit at any position.
+_FIT_ANYWHERE = (*_ANYWHERE, *_RANDOM_UNARY[1:])
+# Layer kinds with parameters of their own (a tied layer's weight is another's).
+_WITH_PARAMETERS = ("linear", "layernorm", "embedding", "checkpointed_dropout")
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,9 @@ def models(
     """Random DAG models as :class:`ModelSpec` (turn one into a module with ``build``).
 
     ``features`` limits the features used (names from ``FEATURES``; None allows
-    all but ``OPT_IN``: ``"dropout"``, an ``nn.Dropout`` in train mode, only when
-    named). A feature brings what it needs: ``concat`` its Linear projecting back,
+    all but the random ones, ``RANDOM_FEATURES``: dropout in its forms, stochastic
+    depth, a checkpointed block with dropout, each drawn only when named). A
+    feature brings what it needs: ``concat`` its Linear projecting back,
     ``embedding`` the add that joins it to the stream. Every width (and the
     vocabulary of ``ids``) lies in ``[min_width, max_width]``, except a
     concat's output: the sum of its two inputs' widths. Every layer's output
@@ -144,10 +151,10 @@ class _Choices:
 
     join: bool  # a kind of _JOINS rather than of _ANYWHERE, if one is enabled and fits
     kind: int  # the kind: see _kind_at
-    flag: bool  # a bias; whether an optional kwarg is passed
+    flag: bool  # a bias; whether an optional kwarg is passed; stochastic depth rather than a residual
     reuse: bool  # reuse a width, or a kwarg input, seen before
     width: int
-    pick: int  # which candidate: op, skip source, tie owner, reused kwarg
+    pick: int  # which candidate: op, skip source, tie owner, reused kwarg, random layer
 
     def among(self, options: Sequence[T]) -> T:
         return options[self.pick % len(options)]
@@ -195,7 +202,7 @@ class _Draft:
         owners = self._tie_owners(width)
         feasible = {
             "residual": bool(same_width), "multiply": bool(same_width), "tied": bool(owners),
-            "concat": remaining >= 2, "embedding": remaining >= 2,
+            "concat": remaining >= 2, "embedding": remaining >= 2, "stochastic_depth": bool(same_width),
         }
         available = {kind for kind in enabled if feasible.get(kind, True)}
         if remaining == 1 and not any(layer.kind in _WITH_PARAMETERS for layer in self.layers):
@@ -204,15 +211,21 @@ class _Draft:
             weighted = {"linear", "layernorm"} & set(self.config.allowed)
             if weighted:
                 available = (available & weighted) or {min(weighted, key=_ANYWHERE.index)}
-        chain = _kind_at(_ANYWHERE, available, choices.kind)
-        join = _kind_at(_JOINS, available, choices.kind)
+        slots = available | {slot for slot, kinds in (("dropout", _RANDOM_UNARY), ("residual", ("stochastic_depth",)))
+                             if available & set(kinds)}
+        chain = _kind_at(_ANYWHERE, slots, choices.kind)
+        join = _kind_at(_JOINS, slots, choices.kind)
         kind = (join if choices.join else chain) or chain or join
+        if kind == "dropout":  # a random layer: the first enabled from pick on (nn.Dropout when pick is 0)
+            kind = _kind_at(_RANDOM_UNARY, available, choices.pick)
+        elif kind == "residual" and "stochastic_depth" in available and (choices.flag or "residual" not in available):
+            kind = "stochastic_depth"
         if kind is None:  # no enabled kind fits here
-            kind = next(kind for kind in _ANYWHERE if kind in self.config.allowed)
+            kind = next(kind for kind in _FIT_ANYWHERE if kind in self.config.allowed)
         add = self.layers.append
         if kind == "linear":
             add(LayerSpec("linear", (previous,), self._out_width(choices), bias=choices.flag))
-        elif kind in ("layernorm", "activation", "buffer", "function", "running", "dropout"):
+        elif kind in ("layernorm", "activation", "buffer", "function", "running", *_RANDOM_UNARY):
             op = {"activation": ACTIVATIONS, "buffer": BUFFER_OPS, "function": FUNCTION_OPS}.get(kind)
             add(LayerSpec(kind, (previous,), width,  # type: ignore[arg-type]
                           op=choices.among(op) if op else ""))
@@ -221,9 +234,9 @@ class _Draft:
         elif kind in ("kwarg", "kwarg_default"):
             name = self._kwarg(choices, width, required=kind == "kwarg")
             add(LayerSpec("kwarg", (previous,), width, input_name=name))
-        elif kind in ("residual", "multiply"):
-            other = choices.among(same_width)
-            add(LayerSpec("add" if kind == "residual" else "multiply", (previous, other), width))
+        elif kind in ("residual", "multiply", "stochastic_depth"):
+            other = choices.among(same_width)  # stochastic depth: the branch since ``other``, kept or dropped
+            add(LayerSpec({"residual": "add"}.get(kind, kind), (previous, other), width))  # type: ignore[arg-type]
         elif kind == "concat":
             other = choices.among(range(X, previous + 1))
             add(LayerSpec("concat", (previous, other), width + self.width(other)))
@@ -342,9 +355,9 @@ def _allowed_features(features: object) -> tuple[tuple[str, ...], list[str]]:
     wanted = set(names)
     wanted.update(implied for name in names for implied in IMPLIED.get(name, ()))
     problems = []
-    if not wanted & set(_ANYWHERE):
+    if not wanted & set(_FIT_ANYWHERE):
         problems.append(f"features={names!r} has no layer that fits at any position; "
-                        f"add one of {list(_ANYWHERE)}")
+                        f"add one of {list(_FIT_ANYWHERE)}")
     if "tied" in wanted and not wanted & {"linear", "embedding"}:
         problems.append(f"features={names!r} has 'tied' but no layer owning a weight to tie "
                         "to; add 'linear' or 'embedding'")
