@@ -61,10 +61,16 @@ class Draws:
     by_position: dict[Position, list[Draw]] = field(default_factory=dict)
 
 
+_PLAIN: set[Any] = set()  # ops seen not to draw: every op of a replayed run passes here, most of them often
+
+
 def _seeded(func: Any, args: Any = (), kwargs: Any = None) -> bool:
     """Whether the op draws random numbers: tagged so by torch, and not an attention kernel called with
     ``dropout_p=0`` (tagged, drawing nothing)."""
+    if func in _PLAIN:
+        return False
     if not (isinstance(func, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in func.tags):
+        _PLAIN.add(func)
         return False
     for index, argument in enumerate(func._schema.arguments):
         if argument.name == "dropout_p":
