@@ -44,6 +44,7 @@ from pipecheck._check.train_eager import (
     train_eager,
 )
 from pipecheck._check.train_locate import locate_step
+from pipecheck._check.truth64 import float64_failure_explained
 from pipecheck._core.result import StepResult
 from pipecheck._core.training import Batch, Training
 from pipecheck._runners.job import Job
@@ -147,7 +148,7 @@ def eager_runs(built: torch.nn.Module, batches: list[Inputs], job: Job, seed: in
     for step in eager:
         check_finite(step)
     batches64, targets64 = cast_batches(batches, targets, torch.float64)
-    with seeded(seed):
+    with seeded(seed), float64_failure_explained(built):  # a model that fails in float64: said as one-step says it
         truth, _ = train_eager(float64_copy(built), batches64, job.training, job.loss_fn or projection_loss,
                                n, targets=targets64)
     rounding: list[StepResult | None] = [None] * len(truth)
