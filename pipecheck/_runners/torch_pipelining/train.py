@@ -82,6 +82,8 @@ def torch_rank_train(ctx: RankContext, spec: TorchTrainSpec) -> TorchTraining:
             prep.target, prep.loss.by_index = _torch_target(target, n, ctx.device)
             prep.loss.loss_of = MicrobatchLoss(spec.step.loss_fn, target, n, reduction)
             prep.loss.calls, prep.loss.scale = 0, reduction.weight
+            for at in prep.drawing_at:  # pipecheck's randomness contract: this schedule step's position
+                at.step, at.schedule_step = t, i - t * g
             step = _step(ctx, prep)
             report.outputs.append(step.outputs)
             report.losses.append(step.losses)
@@ -128,7 +130,7 @@ def train_torch(runner: Any, job: Job) -> list[StepResult]:
     first_holder = {fqn: min(pipe.param_stages(fqn)) for stage in pipe.stages for fqn in stage.params}
     spec = TorchTrainSpec(step, tuple(batches), weights, job.training, first_holder)
     world = world_for(job, runner.n_ranks(job, pipe, step), runner.label)
-    reports, ran = run_training(runner, world, job, torch_rank_train, spec, step)
+    reports, ran = run_training(runner, world, job, runner.rank_train, spec, step)
     return merge_training(pipe, job, reports, ran)
 
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from pipecheck._check.report import Report
-from pipecheck._runners.registry import BUILTIN
+from pipecheck._runners.registry import BUILTIN, runner_named
 from pipecheck._split.markers import SplitPoint
 from pipecheck._split.microbatch import Replicated
 from pipecheck.errors import NonFiniteError, PipecheckError, WorldStartError
@@ -231,8 +231,8 @@ def pipeline_cases(
     training loop: 1 to 3 optimizer steps of one of ``OPTIMIZERS`` (or none), 1 or 2 accumulation
     steps, a loss convention of ``LOSS_REDUCTIONS``, 1 or 2 data-parallel replicas (when the batch and
     ``max_world_size`` allow), and, when every runner given follows pipecheck's randomness contract
-    ("reference", "distributed", or a runner with ``follows_random_contract``), its default models may
-    have ``nn.Dropout`` layers in train mode (give runners that train).
+    ("reference", "distributed", "torch", or a runner with ``follows_random_contract``), its default
+    models may have ``nn.Dropout`` layers in train mode (give runners that train).
 
     Shrinks towards fewer layers (and the model's own shrinking), fewer
     stages and earlier cuts, the first runner given, fp32 (when allowed), the
@@ -319,9 +319,11 @@ _pipeline_cases = st.composite(_draw_pipeline_cases)
 
 def _follows_random_contract(runner: Any) -> bool:
     """Whether ``runner`` draws dropout masks by pipecheck's randomness contract (a model with dropout is
-    refused by the others): "reference" and "distributed", or a runner that says so."""
+    refused by the others): a built-in runner's name whose runner says so ("reference", "distributed",
+    "torch"), or a runner that says so."""
     if isinstance(runner, str):
-        return runner in ("reference", "distributed")
+        entry = runner_named(runner)
+        return entry is not None and entry.available() and bool(getattr(entry.load(), "follows_random_contract", False))
     return bool(getattr(runner, "follows_random_contract", False))
 
 
