@@ -190,3 +190,16 @@ def test_gpt2_in_its_default_train_config_fails_through_torch_only_in_its_tied_e
         f"grad {tied}{replica}" for replica in ("", " (replica in stage 0)", " (replica in stage 1)")}
     assert report.hints[f"grad {tied}"].startswith("tied parameter not synchronised: gradient equals stage 0's "
                                                    "share only"), report.hints  # not a recompute's fresh numbers
+
+
+def test_torch_failing_to_trace_a_dropout_model_here_is_an_engine_error_in_its_words(monkeypatch: Any) -> None:
+    def fails(spec: Any, device: torch.device) -> Any:
+        raise RuntimeError("pipeline() could not trace it\nmore")
+
+    monkeypatch.setattr(torch_driver, "torch_pipe", fails)
+    with pytest.raises(pc.EngineError) as failed:
+        pc.assert_equivalent(make_dropout_net, (X,), n_microbatches=2, runner="torch", world_size=2)
+    first, second = str(failed.value).splitlines()[:2]
+    assert first == "RuntimeError: pipeline() could not trace it"
+    assert second.startswith("torch.distributed.pipelining failed in this process, before any rank started: "
+                             "pipecheck traced the model with torch's pipeline() and ran its split forward"), second

@@ -92,6 +92,7 @@ from pipecheck.errors import (
     AdapterError,
     EngineError,
     InputError,
+    PipecheckError,
     RankError,
     RankFailedError,
     RankTimeoutError,
@@ -163,10 +164,27 @@ def plan_torch_step(job: Job, pipe: Pipe) -> TorchStepSpec:
                          layout.class_name, layout.stage_to_rank, record=job.boundaries is not None,
                          random_seed=job.random_seed)
     if job.random_seed is not None:  # eager replays pipecheck's split's draws: torch's split must draw the same
+        _check_torch_draws(job, pipe, spec)
+    return spec
+
+
+def _check_torch_draws(job: Job, pipe: Pipe, spec: TorchStepSpec) -> None:
+    """torch's split, traced and run forward here, draws what pipecheck's split draws (InputError if not);
+    torch failing to trace or run it is an EngineError in torch's words, before any rank starts."""
+    try:
         _, torch_pipeline, _, _ = torch_pipe(spec, torch.device(job.device))
         refuse_other_draws(job, pipe, torch_pipeline,
                            [stage_submodule(torch_pipeline, s) for s in range(torch_pipeline.num_stages)])
-    return spec
+    except PipecheckError:
+        raise
+    except Exception as err:
+        kind = type(err).__qualname__ if type(err).__module__ == "builtins" else \
+            f"{type(err).__module__}.{type(err).__qualname__}"
+        message = _one_line(kind, str(err))
+        known = next((why for words, why in TORCH_BUGS.items() if words in message), "")
+        raise EngineError(f"{message}\n{known}{ENGINE} failed in this process, before any rank started: pipecheck "
+                          "traced the model with torch's pipeline() and ran its split forward to check that it draws "
+                          f"the random numbers pipecheck's split draws; {_setting(job)}.", engine=ENGINE) from err
 
 
 class TorchRunner(EngineRunner):

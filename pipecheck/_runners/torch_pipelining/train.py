@@ -9,7 +9,9 @@ micro-batch's loss is weighed by the job's loss convention and torch scales noth
 (``scale_grads=False``, as torchtitan runs it: torch's own division after each step would divide
 what earlier steps accumulated too). Clipping uses the norm over every rank's parameters, a weight
 torch replicates on several stages counted once. torch never sums a tied weight's replicas, so
-each replica steps on its own stage's share of the gradient: the check names them.
+each replica steps on its own stage's share of the gradient: the check names them. A model with
+random ops draws each forward torch runs by pipecheck's randomness contract, at the optimizer step
+and schedule step the loop is in (``randomness.py`` beside this).
 """
 
 from __future__ import annotations
