@@ -24,8 +24,8 @@ pipecheck's eager run and its float64 truth draw exactly what a stage following 
 (pipecheck records the stages' draws and replays them into the eager model), so an engine that keeps
 the contract matches, and one that recomputes without restoring the RNG state, or draws micro-batch
 m's numbers for another micro-batch, fails where it happens. A runner says it follows the contract with
-the attribute ``follows_random_contract = True``; pipecheck's ``"reference"`` and ``"distributed"``
-runners do.
+the attribute ``follows_random_contract = True``; pipecheck's ``"reference"``, ``"distributed"`` and
+``"torch"`` runners do (``"torch"`` once torch's own split is seen to draw what pipecheck's split draws).
 """
 
 from __future__ import annotations

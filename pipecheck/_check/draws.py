@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipecheck._runtime.randomness import listening, position, schedule_step
+from pipecheck._runtime.randomness import draws_random, listening, position, schedule_step
 from pipecheck._runtime.randomness import microbatch as microbatch_block
 from pipecheck._runtime.reference import DetachExecutor
 from pipecheck._split.inputs import Inputs, as_args
@@ -59,24 +59,6 @@ class Draws:
 
     seed: int
     by_position: dict[Position, list[Draw]] = field(default_factory=dict)
-
-
-_PLAIN: set[Any] = set()  # ops seen not to draw: every op of a replayed run passes here, most of them often
-
-
-def _seeded(func: Any, args: Any = (), kwargs: Any = None) -> bool:
-    """Whether the op draws random numbers: tagged so by torch, and not an attention kernel called with
-    ``dropout_p=0`` (tagged, drawing nothing)."""
-    if func in _PLAIN:
-        return False
-    if not (isinstance(func, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in func.tags):
-        _PLAIN.add(func)
-        return False
-    for index, argument in enumerate(func._schema.arguments):
-        if argument.name == "dropout_p":
-            value = (kwargs or {}).get("dropout_p", args[index] if index < len(args) else argument.default_value)
-            return value not in (0, 0.0, None)
-    return True
 
 
 def _own_generator(args: Any, kwargs: Any) -> bool:
@@ -117,7 +99,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _seeded(func, args, kwargs):
+        if draws_random(func, args, kwargs):
             here = position()
             if here is not None:
                 name = func._schema.name
@@ -224,7 +206,7 @@ class Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not _seeded(func, args, kwargs) or _own_generator(args, kwargs):  # pipecheck's projection draws from its own
+        if not draws_random(func, args, kwargs) or _own_generator(args, kwargs):  # pipecheck's projection draws from its own
             return func(*args, **kwargs)
         here = position()
         name = func._schema.name
@@ -288,7 +270,7 @@ class LossDraws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if _seeded(func, args, kwargs) and not _own_generator(args, kwargs):
+        if draws_random(func, args, kwargs) and not _own_generator(args, kwargs):
             raise InputError(f"the loss function draws random numbers ({func._schema.name}), which no stage "
                              "draws: eager and a runner draw other numbers for it, so no check can compare them. "
                              "Fix: a loss without random ops (dropout belongs in the model, whose random ops "

@@ -127,7 +127,7 @@ def with_randomness(training: Training, pipe: Pipe, run: Any, runner_name: str, 
         raise InputError(
             f"{pipe.model_name} draws random numbers in train mode ({named}), and runner {runner_name!r} does not say "
             "it follows pipecheck's randomness contract, so no check can line its draws up with eager's. Fix: "
-            "runner='reference' or 'distributed' (they follow it), or make the engine draw each stage's forward "
+            "runner='reference', 'distributed' or 'torch' (they follow it), or make the engine draw each stage's forward "
             "inside pc.randomness.drawing(job.random_seed, stage=..., microbatch=...) and set its attribute "
             "follows_random_contract = True (docs/randomness.md). model.eval() checks the deterministic model "
             "only: it leaves the engine's handling of randomness (recompute, masks per micro-batch) unchecked.")

@@ -19,6 +19,7 @@ import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,24 @@ def seed_of(seed: int, *, step: int, schedule_step: int, stage: int, microbatch:
     """The seed of one stage's forward of one micro-batch (a 63-bit integer; the same in every process)."""
     key = f"pipecheck-rng/{int(seed)}/{int(step)}/{int(schedule_step)}/{int(stage)}/{int(microbatch)}"
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+_PLAIN: set[Any] = set()  # ops seen not to draw: every op of a replayed run passes here, most of them often
+
+
+def draws_random(func: Any, args: Any = (), kwargs: Any = None) -> bool:
+    """Whether a dispatched op draws random numbers: tagged so by torch, and not an attention kernel
+    called with ``dropout_p=0`` (tagged, drawing nothing)."""
+    if func in _PLAIN:
+        return False
+    if not (isinstance(func, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in func.tags):
+        _PLAIN.add(func)
+        return False
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            value = (kwargs or {}).get("dropout_p", args[index] if index < len(args) else argument.default_value)
+            return value not in (0, 0.0, None)
+    return True
 
 
 def _accelerator() -> str | None:

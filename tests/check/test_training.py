@@ -247,7 +247,7 @@ def test_torch_pipelining_has_no_data_parallel_here(pipecheck_world) -> None:  #
 
 
 @pytest.mark.parametrize("runner, data_parallel", [("reference", 1), ("reference", 2), ("distributed", 1),
-                                                   ("distributed", 2)])
+                                                   ("distributed", 2), ("torch", 1)])
 def test_dropout_draws_by_the_contract_in_eager_and_every_runner(pipecheck_world, runner, data_parallel) -> None:  # type: ignore[no-untyped-def]
     world = pipecheck_world(2 * data_parallel) if runner == "distributed" else None
     report = pc.assert_equivalent(make_dropout_net, (torch.randn(8, 8),), n_microbatches=2, runner=runner, world=world,
@@ -261,13 +261,19 @@ def test_a_one_step_check_of_a_dropout_model_draws_by_the_contract_too() -> None
     assert report.ok and "1 step" in report.headline()
 
 
+def draws_its_own_masks(job: pc.Job) -> pc.StepResult:
+    """A runner of one's own that does not say it follows the randomness contract (no follows_random_contract)."""
+    raise NotImplementedError("refused before it runs")
+
+
 def test_dropout_under_a_runner_that_draws_its_own_masks_is_refused_with_a_fix_that_does_not_hide_it() -> None:
     with pytest.raises(pc.InputError) as refused:
-        pc.assert_equivalent(make_dropout_net, (torch.randn(8, 8),), n_microbatches=2, runner="torch")
+        pc.assert_equivalent(make_dropout_net, (torch.randn(8, 8),), n_microbatches=2, runner=draws_its_own_masks)
     text = str(refused.value)
     assert text.startswith("DropoutNet draws random numbers in train mode (stage 0: d0 (Dropout), stage 0: block.1 "
-                           "(Dropout), stage 1: d1 (Dropout1d)), and runner 'torch' does not say it follows "
-                           "pipecheck's randomness contract"), text
+                           "(Dropout), stage 1: d1 (Dropout1d)), and runner 'draws_its_own_masks' does not say it "
+                           "follows pipecheck's randomness contract"), text
+    assert "runner='reference', 'distributed' or 'torch' (they follow it)" in text
     assert "pc.randomness.drawing(job.random_seed" in text
     assert "model.eval() checks the deterministic model only: it leaves the engine's handling of randomness" in text
 

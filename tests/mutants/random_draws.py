@@ -81,3 +81,33 @@ class DrawingEngine:
             outputs.append(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, output))
             losses.append(loss.detach() * n)
         return pc.merge_microbatches(outputs), torch.stack(losses).mean()
+
+
+def shifted_torch_rank_train(ctx: Any, spec: Any) -> Any:
+    """runner='torch''s ranks with one bug planted: torch's forward of micro-batch m draws micro-batch
+    (m + 1) % n's numbers (the position handed to pc.randomness.drawing is off by one)."""
+    # private: the rank side of runner='torch', its call of pc.randomness.drawing shifted on this rank only
+    from pipecheck._runners.torch_pipelining import randomness
+    from pipecheck._runners.torch_pipelining.train import torch_rank_train
+
+    drawing, n = randomness.drawing, spec.step.n_microbatches
+
+    def shifted(seed: int, *, stage: int, microbatch: int, **position: int) -> Any:
+        return drawing(seed, stage=stage, microbatch=(microbatch + 1) % n, **position)
+
+    randomness.drawing = shifted  # type: ignore[assignment]
+    try:
+        return torch_rank_train(ctx, spec)
+    finally:
+        randomness.drawing = drawing  # the World's ranks outlive this check
+
+
+def shifted_torch_runner() -> Any:
+    """runner='torch' whose ranks run :func:`shifted_torch_rank_train`."""
+    # private: runner='torch' itself, subclassed to plant the bug on its ranks
+    from pipecheck._runners.torch_pipelining.driver import TorchRunner
+
+    class ShiftedTorchDraws(TorchRunner):
+        rank_train = staticmethod(shifted_torch_rank_train)
+
+    return ShiftedTorchDraws()

@@ -67,10 +67,21 @@ def test_dropout_is_drawn_only_where_asked_for() -> None:
     assert isinstance(pst.build(spec).get_submodule("l0"), torch.nn.Dropout)
 
 
+def _draws_its_own_masks(job: pc.Job) -> pc.StepResult:  # a runner without follows_random_contract
+    raise NotImplementedError
+
+
 def test_dropout_is_not_drawn_for_a_runner_that_draws_its_own_masks() -> None:
     with pytest.raises(NoSuchExample):
-        find(pst.pipeline_cases(training=True, runners=("torch",)), lambda case: "dropout" in case.features(),
-             settings=EXACT)
+        find(pst.pipeline_cases(training=True, runners=("reference", _draws_its_own_masks)),
+             lambda case: "dropout" in case.features(), settings=EXACT)
+
+
+@pytest.mark.parametrize("runner", ["distributed"])
+def test_dropout_is_drawn_for_the_built_in_runners_that_follow_the_contract(runner: str) -> None:
+    case = find(pst.pipeline_cases(training=True, runners=(runner,)), lambda case: "dropout" in case.features(),
+                settings=settings(EXACT, max_examples=500))  # a dropout model is one draw in dozens
+    assert case.runner == runner
 
 
 STEEP = pst.PipelineCase(  # a chain of products: three SGD steps blow its eager loss up to inf

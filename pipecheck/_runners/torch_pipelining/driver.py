@@ -44,6 +44,11 @@ and every replica as it is, so that torch bug shows as one stage's share.
 Input gradients are read from the full-batch inputs given to ``step`` (torch
 accumulates into them through its chunks). What torch cannot run comes back
 as :class:`pipecheck.EngineError`: torch's message, then the rank and stage.
+
+A model with random ops (dropout) is drawn by pipecheck's randomness contract:
+each ``forward_one_chunk`` torch runs draws inside ``pc.randomness.drawing``,
+once torch's own split is seen to draw what pipecheck's split draws
+(``randomness.py`` beside this; refused before any rank starts otherwise).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from pipecheck._runners.base import (
 )
 from pipecheck._runners.engine import EngineRunner, merge_reports
 from pipecheck._runners.job import Job
+from pipecheck._runners.torch_pipelining.randomness import refuse_other_draws
 from pipecheck._runners.torch_pipelining.rank import (
     TorchRankResult,
     TorchStepError,
@@ -72,7 +78,7 @@ from pipecheck._runners.torch_pipelining.rank import (
     torch_pipe,
     torch_rank_step,
 )
-from pipecheck._runners.torch_pipelining.train import train_torch
+from pipecheck._runners.torch_pipelining.train import torch_rank_train, train_torch
 from pipecheck._runtime.boundaries import Boundaries
 from pipecheck._schedule.torch_classes import TORCH_SCHEDULES, torch_layout
 from pipecheck._split.checkpoints import reentrant_regions
@@ -86,6 +92,7 @@ from pipecheck.errors import (
     AdapterError,
     EngineError,
     InputError,
+    PipecheckError,
     RankError,
     RankFailedError,
     RankTimeoutError,
@@ -152,9 +159,32 @@ def plan_torch_step(job: Job, pipe: Pipe) -> TorchStepSpec:
     if unrunnable:  # torch's words first, as its own failure would read
         raise EngineError("\n".join([*unrunnable, f"{ENGINE} would fail on this split mid-step, its other ranks "
                                      "waiting on the failing one: refused before any rank started."]), engine=ENGINE)
-    return TorchStepSpec(job.model, job.args, job.kwargs, job.loss_fn, job.target, job.n_microbatches,
+    spec = TorchStepSpec(job.model, job.args, job.kwargs, job.loss_fn, job.target, job.n_microbatches,
                          layout.key, pipe.num_stages, cuts, keep_markers, pytree.treespec_dumps(pipe.out_spec),
-                         layout.class_name, layout.stage_to_rank, record=job.boundaries is not None)
+                         layout.class_name, layout.stage_to_rank, record=job.boundaries is not None,
+                         random_seed=job.random_seed)
+    if job.random_seed is not None:  # eager replays pipecheck's split's draws: torch's split must draw the same
+        _check_torch_draws(job, pipe, spec)
+    return spec
+
+
+def _check_torch_draws(job: Job, pipe: Pipe, spec: TorchStepSpec) -> None:
+    """torch's split, traced and run forward here, draws what pipecheck's split draws (InputError if not);
+    torch failing to trace or run it is an EngineError in torch's words, before any rank starts."""
+    try:
+        _, torch_pipeline, _, _ = torch_pipe(spec, torch.device(job.device))
+        refuse_other_draws(job, pipe, torch_pipeline,
+                           [stage_submodule(torch_pipeline, s) for s in range(torch_pipeline.num_stages)])
+    except PipecheckError:
+        raise
+    except Exception as err:
+        kind = type(err).__qualname__ if type(err).__module__ == "builtins" else \
+            f"{type(err).__module__}.{type(err).__qualname__}"
+        message = _one_line(kind, str(err))
+        known = next((why for words, why in TORCH_BUGS.items() if words in message), "")
+        raise EngineError(f"{message}\n{known}{ENGINE} failed in this process, before any rank started: pipecheck "
+                          "traced the model with torch's pipeline() and ran its split forward to check that it draws "
+                          f"the random numbers pipecheck's split draws; {_setting(job)}.", engine=ENGINE) from err
 
 
 class TorchRunner(EngineRunner):
@@ -162,7 +192,11 @@ class TorchRunner(EngineRunner):
 
     __name__ = "torch"
     label, engine = "runner='torch'", ENGINE
+    # every stage forward torch runs is drawn by pipecheck's randomness contract, once torch's own split is
+    # seen to draw what pipecheck's does (pipecheck._runners.torch_pipelining.randomness)
+    follows_random_contract = True
     rank_step = staticmethod(torch_rank_step)
+    rank_train = staticmethod(torch_rank_train)  # what every rank runs for a training loop (train.py)
 
     def plan(self, job: Job, pipe: Pipe) -> TorchStepSpec:
         return plan_torch_step(job, pipe)

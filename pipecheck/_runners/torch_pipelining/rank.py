@@ -32,6 +32,7 @@ from pipecheck._runners.rank_side import (
     grads_by_fqn,
     prepare_together,
 )
+from pipecheck._runners.torch_pipelining.randomness import ContractPosition, draw_by_contract
 from pipecheck._runtime.boundaries import (
     Boundaries,
     instrument_module,
@@ -74,6 +75,9 @@ class TorchStepSpec:
     # torch divides the gradients by n_microbatches after each step (one step: the mean loss). A training
     # loop weighs the losses itself instead: torch's division would also divide what earlier steps accumulated.
     scale_grads: bool = True
+    # pipecheck's randomness contract (pipecheck.randomness): every stage forward torch runs is drawn by it
+    # under this seed (None: the model draws nothing); pipecheck._runners.torch_pipelining.randomness
+    random_seed: int | None = None
 
     @property
     def out_spec(self) -> pytree.TreeSpec:
@@ -254,6 +258,7 @@ class _Prepared:
     named_inputs: dict[str, Any]  # the model's inputs by parameter name, as given to torch's step
     recorder: Boundaries | None = None
     loss: _LossOfMicrobatch | None = None
+    drawing_at: list[ContractPosition] = field(default_factory=list)  # each stage's (a model with random ops)
 
 
 AliasTable = tuple[dict[str, str], dict[int, str]]
@@ -315,9 +320,12 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
         raise TorchStepError(f"torch returns only last-stage outputs; {where}\n"
                              "(the split graph's output node reads a value of an earlier stage)")
     ctx.action = "build_stage"
+    drawing_at: list[ContractPosition] = []
     stages = [pipe.build_stage(s, ctx.device, ctx.group) for s in mine]
     for stage in stages:
         _report_actions(ctx, stage)
+        if spec.random_seed is not None:  # torch's forward of each chunk drawn by pipecheck's randomness contract
+            drawing_at.append(draw_by_contract(stage, spec.random_seed))
         if any(spec.stage_to_rank[s] == ctx.rank for s in (stage.stage_index - 1, stage.stage_index + 1)
                if 0 <= s < pipe.num_stages):
             v_warmup_patch(stage, stage.group_rank)  # a neighbour stage on this rank: the turn of a V
@@ -333,7 +341,7 @@ def _prepare(ctx: RankContext, spec: TorchStepSpec) -> _Prepared:
             instrument_torch_stage(stage.submod, stage.stage_index, recorder)
             pause_for_metadata_probes(stage, recorder)
     return _Prepared(stages, schedule, spec.out_spec, torch_target, tuple(args), dict(kwargs), names, by_id,
-                     buffer_names, pipe.num_stages, named_inputs, recorder, loss)
+                     buffer_names, pipe.num_stages, named_inputs, recorder, loss, drawing_at)
 
 
 def _leaf_paths(out_spec: pytree.TreeSpec) -> list[str]:

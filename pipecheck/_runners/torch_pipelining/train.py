@@ -9,7 +9,9 @@ micro-batch's loss is weighed by the job's loss convention and torch scales noth
 (``scale_grads=False``, as torchtitan runs it: torch's own division after each step would divide
 what earlier steps accumulated too). Clipping uses the norm over every rank's parameters, a weight
 torch replicates on several stages counted once. torch never sums a tied weight's replicas, so
-each replica steps on its own stage's share of the gradient: the check names them.
+each replica steps on its own stage's share of the gradient: the check names them. A model with
+random ops draws each forward torch runs by pipecheck's randomness contract, at the optimizer step
+and schedule step the loop is in (``randomness.py`` beside this).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def torch_rank_train(ctx: RankContext, spec: TorchTrainSpec) -> TorchTraining:
             prep.target, prep.loss.by_index = _torch_target(target, n, ctx.device)
             prep.loss.loss_of = MicrobatchLoss(spec.step.loss_fn, target, n, reduction)
             prep.loss.calls, prep.loss.scale = 0, reduction.weight
+            for at in prep.drawing_at:  # pipecheck's randomness contract: this schedule step's position
+                at.step, at.schedule_step = t, i - t * g
             step = _step(ctx, prep)
             report.outputs.append(step.outputs)
             report.losses.append(step.losses)
@@ -128,7 +132,7 @@ def train_torch(runner: Any, job: Job) -> list[StepResult]:
     first_holder = {fqn: min(pipe.param_stages(fqn)) for stage in pipe.stages for fqn in stage.params}
     spec = TorchTrainSpec(step, tuple(batches), weights, job.training, first_holder)
     world = world_for(job, runner.n_ranks(job, pipe, step), runner.label)
-    reports, ran = run_training(runner, world, job, torch_rank_train, spec, step)
+    reports, ran = run_training(runner, world, job, runner.rank_train, spec, step)
     return merge_training(pipe, job, reports, ran)
 
 

@@ -321,8 +321,8 @@ _pipeline_cases = st.composite(_draw_pipeline_cases)
 
 def _follows_random_contract(runner: Any) -> bool:
     """Whether ``runner`` draws random numbers by pipecheck's randomness contract (a model with random ops
-    is refused by the others): "reference" and "distributed", or a runner that says so."""
-    if isinstance(runner, str):
+    is refused by the others): "reference" and "distributed", or a runner of one's own that says so."""
+    if isinstance(runner, str):  # runner="torch" follows it too, but refuses a model its own split draws apart
         return runner in ("reference", "distributed")
     return bool(getattr(runner, "follows_random_contract", False))
 
