@@ -456,6 +456,10 @@ def _hint_step(t: int, rows: list[Row], results: list[StepResult], truth: list[S
         test = results[t].grads.get(fqn)
         if not isinstance(test, torch.Tensor):
             continue
+        if fqn not in truth[t].grads:  # a gradient eager does not have (its row: "zero expected")
+            hints[row.name] = ("eager computes no gradient here (a frozen or unused parameter, or not an original "
+                               "FQN: runners key gradients by model.named_parameters() names)")
+            continue
         if t > 0 and all(fqn in step.grads for step in truth[:t + 1]) and matches(
                 test, sum((step.grads[fqn] for step in truth[:t + 1]), torch.zeros_like(truth[t].grads[fqn]))):
             hints[row.name] = (f"gradient holds steps 0..{t}'s gradients summed: gradients are not zeroed between "

@@ -379,9 +379,11 @@ def outputs_scaled_by_1_3(job: pc.Job) -> pc.StepResult:
 
 def test_a_stochastic_eager_model_is_refused_instead_of_widening_the_auto_tolerance() -> None:
     """Dropout in train mode: eager disagrees with its own fp64 copy by O(1), which would become
-    the atol; under a runner that draws its own masks the check refuses the model instead, naming the
-    fix (pipecheck's own runners draw by its randomness contract: tests/check/test_training.py)."""
-    with pytest.raises(pc.InputError, match=r"has dropout in train mode \(drop\).*draws its own masks.*model\.eval\(\)"):
+    the atol; under a runner that does not follow pipecheck's randomness contract the check refuses the
+    model instead, naming the contract as the fix (docs/randomness.md)."""
+    with pytest.raises(pc.InputError, match=r"draws random numbers in train mode \(stage 0: drop \(Dropout\)\), and "
+                                            r"runner 'outputs_scaled_by_1_3' does not say it follows pipecheck's "
+                                            r"randomness contract.*model\.eval\(\) checks the deterministic model only"):
         pc.assert_equivalent(TrainModeDropout, (torch.randn(8, 4),), runner=outputs_scaled_by_1_3,
                              n_microbatches=2)
 
