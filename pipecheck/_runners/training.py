@@ -209,7 +209,7 @@ class ReferenceRunner:
     """The "reference" runner: one step (``runner(job)``) or a training loop (``runner.train(job)``)."""
 
     __name__ = "reference"
-    follows_random_contract = True  # its dropout masks are drawn by pipecheck._runtime.randomness
+    follows_random_contract = True  # every stage forward draws by pipecheck.randomness (stage_forward)
     follows_precision = True  # forwards under job.precision's autocast, gradients summed in its grad_accumulation
 
     def __call__(self, job: Job) -> StepResult:

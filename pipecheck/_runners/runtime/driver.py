@@ -85,7 +85,7 @@ class DistributedRunner(EngineRunner):
     __name__ = "distributed"
     label = engine = ENGINE
     rank_step = staticmethod(rank_step)
-    follows_random_contract = True  # a training job's dropout masks are drawn by pipecheck._runtime.randomness
+    follows_random_contract = True  # every stage forward draws by pipecheck.randomness (stage_forward)
     follows_precision = True  # forwards under job.precision's autocast, gradients summed in its grad_accumulation
 
     def plan(self, job: Job, pipe: Pipe) -> StepSpec:
