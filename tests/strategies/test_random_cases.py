@@ -105,7 +105,7 @@ def test_every_random_op_is_drawn_by_the_contract_and_refused_by_a_runner_that_d
                             n_microbatches=2)
     assert f"7 random ops {CONTRACT}" in case.check("reference").headline()
     with pytest.raises(pc.InputError, match="does not say it follows pipecheck's randomness contract"):
-        case.run("torch")
+        case.run(_plain)
 
 
 def _random_case(case: pst.PipelineCase) -> bool:
