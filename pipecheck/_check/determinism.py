@@ -51,13 +51,20 @@ def check_deterministic(model: nn.Module, inputs: Inputs, n_microbatches: int, s
         raise _random_model_error(model, found, _parameters_written(model, inputs, n_microbatches, seed))
 
 
-def refuse_random(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int) -> None:
+def refuse_random(model: nn.Module, inputs: Inputs, n_microbatches: int, seed: int, untraced: str = "") -> None:
     """:func:`check_deterministic`'s refusal if ``model`` is random; nothing if it is not, or if its
-    eager forward fails (the caller's own error then stands)."""
+    eager forward fails (the caller's own error then stands). ``untraced``: why no tracer could trace it
+    (its random ops then cannot be split to draw by the randomness contract: said first)."""
     try:
         found = _random_outputs(model, inputs, n_microbatches, seed)
     except Exception:
         return
+    if found and untraced:
+        raise InputError(
+            f"{type(model).__name__} is not deterministic: {found}; and no tracer could trace it ({untraced}), so "
+            "pipecheck cannot split it to draw its random numbers by its randomness contract. Fix: make forward "
+            "traceable (torch < 2.13 cannot trace a torch.Generator argument: draw without generator=); "
+            "model.eval() (or the model without its random ops) checks the deterministic model only.")
     if found:
         raise _random_model_error(model, found, _parameters_written(model, inputs, n_microbatches, seed))
 

@@ -214,8 +214,8 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         try:
             pipe = split_reusing(factory, built, inputs.args, inputs.kwargs, split_spec=split_spec, policy=policy,
                                  tracer=tracer, hits=hits)
-        except TraceError:  # a random model (its own Generator: torch < 2.13 cannot trace one) is refused
-            refuse_random(built, inputs, n_microbatches, seed)  # as random, the reason that matters
+        except TraceError as untraced:  # a random model (a Generator argument: torch < 2.13 cannot trace one)
+            refuse_random(built, inputs, n_microbatches, seed, first_line(untraced).rstrip(":"))  # said first
             raise
     check_split = getattr(run, "check_split", None)
     if check_split is not None:  # a runner's refusal of this split, before any eager work

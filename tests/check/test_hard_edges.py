@@ -22,6 +22,8 @@ import torch.utils._pytree as pytree
 from hypothesis import HealthCheck, given, settings
 
 import pipecheck as pc
+
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 from pipecheck import fixtures
 from pipecheck import strategies as pst
 
@@ -173,6 +175,11 @@ class DropoutOfZero(TwoLayers):
 def test_randomness_from_torch_s_default_generator_a_few_ulps_deep_is_checked_by_the_contract(
         model: type[nn.Module]) -> None:
     state = torch.get_rng_state()
+    if model is DefaultGeneratorStochasticDepth and TORCH_VERSION < (2, 13):  # export cannot trace the argument
+        with pytest.raises(pc.InputError, match="no tracer could trace it .*torch < 2.13 cannot trace a "
+                                                "torch.Generator argument: draw without generator="):
+            _check(model)
+        return
     report = _check(model)
     assert report.ok and "1 random op drawn by pipecheck's randomness contract" in report.headline()
     assert torch.equal(torch.get_rng_state(), state)  # the contract's seeding left torch's RNG as found
