@@ -22,8 +22,6 @@ import torch.utils._pytree as pytree
 from hypothesis import HealthCheck, given, settings
 
 import pipecheck as pc
-
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 from pipecheck import fixtures
 from pipecheck import strategies as pst
 
@@ -31,6 +29,7 @@ from pipecheck import strategies as pst
 from pipecheck._runners.base import run_reference
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 if str(TESTS_DIR) not in sys.path:  # spawned ranks unpickle _world_jobs by name; they inherit sys.path
     sys.path.insert(0, str(TESTS_DIR))
 import _odd_models  # noqa: E402
