@@ -125,6 +125,9 @@ TORCH_BUGS: dict[str, str] = {
                                                   "(a skip connection; torch's limit)",
     "unexpected keyword argument": "torch's schedule hands the step's keyword inputs to stage 0's forward only "
                                    "(a kwarg read by a later stage; torch's bug)",
+    "torch returns only last-stage outputs": "torch's schedule returns only the last stage's outputs: a model "
+                                             "output computed on an earlier stage (an encoder's last hidden "
+                                             "state, an auxiliary head) is lost (torch's limit)",
     "input tensor has to be contiguous": "torch's PipelineStage sends a stage's output (or input gradient) as "
                                          "it is, and gloo sends only contiguous tensors: a transposed or sliced "
                                          "value crosses the cut (torch's bug: stage.py's isend never calls "

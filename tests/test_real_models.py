@@ -56,6 +56,9 @@ CONTIGUOUS = "RuntimeError: input tensor has to be contiguous\ntorch.distributed
                  id="torch-runner-says-so"),
     pytest.param("torch", EngineError("forward() got an unexpected keyword argument 'mask'\n... refused before any "
                                       "rank started."), "torch bug", "stage 0's forward only", id="torch-kwarg"),
+    pytest.param("torch", EngineError("torch returns only last-stage outputs; output['encoder_last_hidden_state'] is "
+                                      "stage 0's", rank=0), "torch bug", "only the last stage's outputs",
+                 id="torch-last-stage-outputs"),
     pytest.param("reference", SplitError("Model.forward returns a Cache. Fix: use_cache=False."), "refused",
                  "SplitError: Model.forward returns a Cache. Fix: use_cache=False", id="refusal-one-line"),
     pytest.param("distributed", AdapterError("torch moved an API"), "error", "AdapterError", id="adapter"),
