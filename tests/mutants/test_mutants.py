@@ -3,23 +3,13 @@ with the right tensor named and the right hint; the correct base runner passes o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 import pipecheck as pc
 
 from .runners import ALL, BASES, MUTANTS, BaseRunner, cases, check
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # Tiny tensors: intra-op threads only contend with each other (25x slower on a busy machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("base,model", [pytest.param(b, m, id=f"{b.name}-{m}") for b in BASES for m in ALL])

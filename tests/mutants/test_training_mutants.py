@@ -9,11 +9,9 @@ the micro-batches, forward or backward, and the hint); each correct twin passes 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 from _training_models import adamw, make_untied_lm, sgd, token_ce, tokens
 
 import pipecheck as pc
@@ -30,12 +28,7 @@ from .training import (
 WEIGHTS = "(1.75, 1.75, 0.7, 0.7)"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # tests/conftest.py
 
 
 def _train(runner: Any, **settings: Any) -> pc.Report:

@@ -30,13 +30,7 @@ TRAINING = pst.pipeline_cases(training=True, max_stages=3, max_world_size=4, sch
 TRAINING_DISTRIBUTED = pst.pipeline_cases(training=True, max_stages=2, max_world_size=4, schedules=("1f1b",))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread() -> Any:
-    """The generated models are at most 16 wide: a second intra-op thread only waits for a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # tests/conftest.py
 
 
 def record(test: str, case: pst.PipelineCase) -> None:

@@ -147,12 +147,7 @@ RANDOM_MODELS = pst.models(max_layers=6, features=("linear", "activation", "resi
 TRACERS = st.sampled_from(("fx", "export"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # tests/conftest.py
 
 
 def _matched(case: pst.PipelineCase, runner: Any, tracer: str, **extra: Any) -> pc.Report:
