@@ -64,9 +64,11 @@ def run_stage(ctx: Any, model_fn: Any, x: torch.Tensor, target: torch.Tensor, lo
     """One rank's share of a GPipe step. ``bugs``: "scale_mb2" (stage 1 scales its input for micro-batch 2),
     "drop_skip_grad" (stage 1 sends zeros for the skip's gradient), "inputs_out_of_order" (stage 1 records
     its inputs in its own order), "whole_batch" (stage 0 records the whole batch as its input),
-    "draws_next_mb" (each stage draws the next micro-batch's random numbers). ``seed``: the job's
+    "draws_next_mb" (each stage draws the next micro-batch's random numbers), "scale_mb2_at_step1" (as
+    "scale_mb2", in optimizer step 1 only). ``seed``: the job's
     random_seed; every stage forward then draws inside pc.randomness.drawing, as the contract says."""
     model, recorder, peer = model_fn(), recorders[ctx.rank], 1 - ctx.rank
+    run = step * n  # micro-batches are numbered across a training check's run (one schedule step per step here)
     xs, targets = pc.split_microbatches(x, n), pc.split_microbatches(target, n, "target")
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     outputs: list[torch.Tensor] = []
@@ -82,8 +84,8 @@ def run_stage(ctx: Any, model_fn: Any, x: torch.Tensor, target: torch.Tensor, lo
         if ctx.rank == 0:
             with drawing(mb):
                 h, y = _stage0(model, xs[mb])
-            recorder.inputs(mb, x if "whole_batch" in bugs else xs[mb])
-            recorder.outputs(mb, h, y)
+            recorder.inputs(run + mb, x if "whole_batch" in bugs else xs[mb])
+            recorder.outputs(run + mb, h, y)
             dist.send(y.detach(), peer)
             dist.send(h.detach(), peer)
             kept.append((h, y))
@@ -93,11 +95,12 @@ def run_stage(ctx: Any, model_fn: Any, x: torch.Tensor, target: torch.Tensor, lo
             dist.recv(h, peer)
             y.requires_grad_()
             h.requires_grad_()
-            recorder.inputs(mb, *((h, y) if "inputs_out_of_order" in bugs else (y, h)))
-            used = y * 1.5 if "scale_mb2" in bugs and mb == 2 else y
+            recorder.inputs(run + mb, *((h, y) if "inputs_out_of_order" in bugs else (y, h)))
+            scaled = mb == 2 and ("scale_mb2" in bugs or ("scale_mb2_at_step1" in bugs and step == 1))
+            used = y * 1.5 if scaled else y
             with drawing(mb):
                 out = _stage1(model, used, h)
-            recorder.outputs(mb, out)
+            recorder.outputs(run + mb, out)
             losses.append(loss_fn(out, targets[mb]))
             outputs.append(out.detach())
             kept.append((y, h))
@@ -106,7 +109,7 @@ def run_stage(ctx: Any, model_fn: Any, x: torch.Tensor, target: torch.Tensor, lo
             (losses[mb] / n).backward()
             y, h = kept[mb]
             assert y.grad is not None and h.grad is not None
-            recorder.input_grads(mb, y.grad, h.grad)
+            recorder.input_grads(run + mb, y.grad, h.grad)
             dist.send(y.grad, peer)
             dist.send(torch.zeros_like(h.grad) if "drop_skip_grad" in bugs else h.grad, peer)
         else:
@@ -114,7 +117,7 @@ def run_stage(ctx: Any, model_fn: Any, x: torch.Tensor, target: torch.Tensor, lo
             grad_y, grad_h = torch.empty_like(y), torch.empty_like(h)
             dist.recv(grad_y, peer)
             dist.recv(grad_h, peer)
-            recorder.output_grads(mb, grad_h, grad_y)
+            recorder.output_grads(run + mb, grad_h, grad_y)
             torch.autograd.backward([h, y], [grad_h, grad_y])
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     return grads, outputs, [loss.detach() for loss in losses], recorder

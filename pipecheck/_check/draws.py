@@ -89,12 +89,27 @@ def _unreplayable(name: str, stage: int | None) -> InputError:
                       "deterministic model only.")
 
 
+_SHAPE_ONLY = {"aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::native_dropout"}
+
+
+def _value_dependent(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether a random op's draw depends on tensor values the model computes (``bernoulli(probs)``,
+    ``normal(mean, std)``, ``multinomial``), not only on shapes: an in-place op's own tensor, and a
+    dropout's input (its mask is drawn apart), do not count."""
+    if func._schema.name in _SHAPE_ONLY:
+        return False
+    first = func._schema.arguments[0] if func._schema.arguments else None
+    in_place = first is not None and first.alias_info is not None and first.alias_info.is_write
+    tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    return len(tensors) > (1 if in_place else 0)
+
+
 class _Recorder(TorchDispatchMode):
     supports_higher_order_operators = True
 
-    def __init__(self, draws: Draws, stage: list[int | None]) -> None:
+    def __init__(self, draws: Draws, stage: list[int | None], parameters_move: bool) -> None:
         super().__init__()
-        self.draws, self.stage = draws, stage
+        self.draws, self.stage, self.parameters_move = draws, stage, parameters_move
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -110,6 +125,13 @@ class _Recorder(TorchDispatchMode):
                                      "generator (no generator= argument), or check the model without that op.")
                 if name not in _REPLAYABLE:
                     raise _unreplayable(name, self.stage[0])
+                if self.parameters_move and _value_dependent(func, args, kwargs):
+                    raise InputError(
+                        f"the model's op {name} (stage {self.stage[0]}) draws from values the model computes (a "
+                        "probability, a mean), which change as the optimizer moves the parameters; pipecheck "
+                        "records the stages' draws once, from the parameters the check starts from, so it cannot "
+                        "replay them into eager's later steps. Fix: a one-step check (steps=1, or no optimizer), "
+                        "or a draw that depends on shapes only (torch.rand_like(p) < p for bernoulli(p)).")
                 leaves = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
                 self.draws.by_position.setdefault(here, []).append(
                     Draw(name, self.stage[0], [_compact(leaf, name) for leaf in leaves]))
@@ -129,7 +151,8 @@ def record_draws(job: Any, batches: Sequence[Inputs], seed: int) -> Draws:
     uneven = job.training.loss_reduction != "mean"
     device = next((p.device for s in pipe.stages for p in s.module.parameters()), torch.device("cpu"))
     try:
-        with torch.no_grad(), pipe.buffers_restored(), _Recorder(draws, noted):
+        moving = job.training.optimizer is not None and job.training.steps > 1
+        with torch.no_grad(), pipe.buffers_restored(), _Recorder(draws, noted, moving):
             for i, batch in enumerate(batches):
                 batch = batch.unspoiled()
                 for r, (args, kwargs) in enumerate(shard_batch((batch.args, dict(batch.kwargs)), d, uneven)):

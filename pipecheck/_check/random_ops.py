@@ -53,6 +53,8 @@ def _inner_dropout(module: nn.Module) -> str:
     for name, inner in module.named_modules():
         if isinstance(inner, nn.modules.dropout._DropoutNd) and inner.training and inner.p > 0:
             return f"its {name or 'own'} dropout"
+        if isinstance(inner, nn.RNNBase) and inner.num_layers == 1:
+            continue  # torch applies an RNN's dropout between its layers only
         if isinstance(getattr(inner, "dropout", None), float) and inner.dropout > 0:  # nn.RNN/LSTM/GRU, attention
             return f"dropout={inner.dropout} in {name or 'it'}"
     return ""
@@ -106,7 +108,8 @@ def _random(owner: nn.Module, node: fx.Node) -> str | None:
         if torch.Tag.nondeterministic_seeded in target.tags:
             return f"{name} ({node.name})"
     elif getattr(target, "__name__", "") == "stochastic_depth":  # torchvision's, kept whole by fx
-        return f"stochastic_depth ({node.name})" if _argument(node, 3, "training", True) is not False else None
+        drops = _argument(node, 1, "p", 0.5) not in (0, 0.0) and _argument(node, 3, "training", True) is not False
+        return f"stochastic_depth ({node.name})" if drops else None
     return None
 
 

@@ -59,10 +59,14 @@ ORDER = ("outputs", "loss", "grads", "params", "buffers")  # how one optimizer s
 
 
 def refuse_one_call(run: Any, runner_name: str, training: Training) -> Callable[[Job], Any]:
-    """The runner's ``train`` method, or an InputError saying what a training check needs (before any eager work)."""
+    """The runner's ``train`` method (a one-call runner's call, where the check is one plain step made a
+    training check by its random ops), or an InputError saying what a training check needs (before any
+    eager work)."""
     train = getattr(run, "train", None)
     if callable(train):
         return train
+    if dataclasses.replace(training, dropout=(), random_seed=None) == Training():
+        return lambda job: [run(job)]
     raise InputError(f"runner {runner_name!r} runs one step per call (runner(job)); a check of "
                      f"{training.describe()} needs an engine kept from step to step: a runner with a method "
                      "train(job) -> list[StepResult], one per optimizer step. Fix: runner='reference' or "

@@ -118,10 +118,13 @@ class Job:
     def recorder(self, stage: int) -> StageRecorder:
         """A recorder of stage ``stage``'s boundary values, named by position as ``structure()`` has them:
         ``rec.inputs(mb, *values)``, ``rec.outputs``, ``rec.input_grads``, ``rec.output_grads`` or
-        ``rec.watch(module)``, on any process (it pickles); ``print(rec)`` lists the positions. It records
+        ``rec.watch(module)``, on any process (it pickles); ``print(rec)`` lists the positions. A training
+        check's micro-batches are numbered across its run: schedule step i's replica r's j-th is
+        ``(i * d + r) * n + j`` (``watch`` counts forwards so). It records
         only while ``boundaries`` is set (the check's second run); return what it holds with
         :meth:`recorded`."""
-        return StageRecorder.for_stage(self.structure(), stage, self.n_microbatches, self.boundaries)
+        run = self.n_microbatches * self.training.data_parallel * self.training.schedule_steps  # numbered across it
+        return StageRecorder.for_stage(self.structure(), stage, run, self.boundaries)
 
     def recorded(self, recorders: Iterable[StageRecorder]) -> dict[BoundaryKey, torch.Tensor]:
         """What ``recorders`` (sent back from the engine's processes) recorded, as ``StepResult.boundaries``."""

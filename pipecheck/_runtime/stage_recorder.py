@@ -173,9 +173,11 @@ class StageRecorder:
     def _checked(self, mb: int, point: str, values: tuple[Any, ...]) -> list[tuple[_Slot, Any]]:
         """Each value with the position it fills; a RecordingError for a wrong micro-batch, count or shape."""
         if not isinstance(mb, int) or isinstance(mb, bool) or not 0 <= mb < self.n_microbatches:
-            raise RecordingError(f"stage {self.stage}'s recorder.{_METHOD[point]}(microbatch={mb!r}, ...): the job has "
+            raise RecordingError(f"stage {self.stage}'s recorder.{_METHOD[point]}(microbatch={mb!r}, ...): the job runs "
                                  f"{plural(self.n_microbatches, 'micro-batch')}, 0 to {self.n_microbatches - 1}. Fix: "
-                                 "pass the index of the micro-batch in the job's order (pc.split_microbatches's).")
+                                 "pass the index of the micro-batch in the job's order (pc.split_microbatches's; in a "
+                                 "training check numbered across the run: schedule step i's replica r's j-th is "
+                                 "(i * d + r) * n + j).")
         slots = self.input_slots if point in ("received", "grad sent") else self.output_slots
         if len(values) == len(slots):
             pairs = list(zip(slots, values))

@@ -226,3 +226,65 @@ def test_a_gradient_eager_does_not_have_fails_a_check_of_a_random_model() -> Non
     with pytest.raises(pc.EquivalenceError) as caught:
         pc.assert_equivalent(make_dropout_net, (torch.randn(8, 8),), n_microbatches=2, runner=Extra())
     assert not caught.value.report.row("grad unused").ok
+
+
+class LearnedGate(nn.Module):
+    """A draw from probabilities the model computes: bernoulli(sigmoid(logit))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.logit, self.b = nn.Linear(8, 8), nn.Parameter(torch.zeros(8)), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * torch.bernoulli(torch.sigmoid(self.logit).expand(x.shape[0], 8))
+        pc.pipe_split()
+        return self.b(h)
+
+
+def test_a_draw_from_values_the_optimizer_moves_is_refused_over_several_steps_and_checked_in_one() -> None:
+    """Draws are recorded once, from the starting parameters: replaying them into eager's later steps
+    would fail a correct engine (found by review)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    assert pc.assert_equivalent(LearnedGate(), (x,), n_microbatches=2, runner="reference").ok
+    with pytest.raises(pc.InputError, match=r"aten::bernoulli \(stage 0\) draws from values the model computes"):
+        pc.assert_equivalent(LearnedGate(), (x,), n_microbatches=2, runner="reference", steps=2, optimizer=_sgd)
+
+
+@pytest.mark.filterwarnings("ignore:dropout option adds dropout after all but last recurrent layer")
+def test_random_layers_that_draw_nothing_leave_the_check_deterministic() -> None:
+    """Stochastic depth with p=0 and a one-layer LSTM's dropout= draw nothing: any runner checks them."""
+    StochasticDepth = pytest.importorskip("torchvision.ops").StochasticDepth
+
+    class Quiet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.depth, self.head = nn.LSTM(8, 8, dropout=0.2, batch_first=True), StochasticDepth(0.0, "row"), \
+                nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.rnn(x)[0]
+            pc.pipe_split()
+            return self.head(self.depth(h))
+
+    def one_call(job: pc.Job) -> pc.StepResult:  # no follows_random_contract: fine for a deterministic model
+        return pc.DetachExecutor(job.split()).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
+                                                   n_microbatches=job.n_microbatches)
+
+    torch.manual_seed(0)
+    report = pc.assert_equivalent(Quiet(), (torch.randn(4, 3, 8),), n_microbatches=2, runner=one_call)
+    assert report.ok and "random op" not in report.headline()
+
+
+def test_a_one_call_runner_that_follows_the_contract_checks_a_random_model() -> None:
+    """A one-step check of a random model runs as a training check: a runner with no train method is called
+    once, as in any one-step check (it was refused as needing an engine kept from step to step)."""
+    from _training_models import make_dropout_net
+
+    def one_call(job: pc.Job) -> pc.StepResult:
+        from mutants.random_draws import DrawingEngine
+
+        return DrawingEngine().train(job)[0]
+
+    one_call.follows_random_contract = True  # type: ignore[attr-defined]
+    assert pc.assert_equivalent(make_dropout_net, (torch.randn(8, 8),), n_microbatches=2, runner=one_call).ok

@@ -105,3 +105,17 @@ def test_an_engine_in_its_own_processes_drawing_the_next_microbatch_s_numbers_fa
     found = report.first_divergence
     assert found is not None and (found.stage, found.direction, found.optimizer_step) == (0, "forward", 0), \
         report.located
+
+
+def test_a_bug_in_a_later_optimizer_step_is_located_there_from_the_engine_s_own_recording(pipecheck_world: Any) -> None:
+    """Recorded micro-batches are numbered across a training check's run (step 1's j-th is n + j)."""
+    torch.manual_seed(0)
+    with pytest.raises(pc.EquivalenceError) as caught:
+        pc.assert_equivalent(SkipNet, (torch.randn(8, 16),), split_spec=CUT, n_microbatches=4,
+                             runner=TwoProcessEngine("scale_mb2_at_step1"), world=pipecheck_world(2), steps=2)
+    report = caught.value.report
+    assert report.row("step 0: output").ok and not report.row("step 1: output").ok
+    found = report.first_divergence
+    assert found is not None, report.located
+    assert (found.optimizer_step, found.stage, found.direction, found.point) == (1, 1, "forward", "sent"), \
+        report.located

@@ -121,7 +121,7 @@ BAD_CALLS = [  # (stage, call, what the message says)
     pytest.param(1, _call("outputs", 0, Z, Z), ["stage 1's outputs for micro-batch 0: 2 values given",
                                                 "or the model's output as one value, flattened to 1 leaves"],
                  id="last-stage-outputs"),
-    pytest.param(0, _call("inputs", 4, Z), ["stage 0's recorder.inputs(microbatch=4, ...): the job has 4 "
+    pytest.param(0, _call("inputs", 4, Z), ["stage 0's recorder.inputs(microbatch=4, ...): the job runs 4 "
                                             "micro-batches, 0 to 3"], id="microbatch-out-of-range"),
     pytest.param(0, _call("outputs", True, Z, Z), ["recorder.outputs(microbatch=True"], id="microbatch-a-bool"),
     pytest.param(1, _call("inputs", 0, torch.zeros(4, 16), Z), [
