@@ -251,28 +251,45 @@ def test_a_draw_from_values_the_optimizer_moves_is_refused_over_several_steps_an
         pc.assert_equivalent(LearnedGate(), (x,), n_microbatches=2, runner="reference", steps=2, optimizer=_sgd)
 
 
+def _one_call(job: pc.Job) -> pc.StepResult:  # no follows_random_contract: fine for a deterministic model
+    return pc.DetachExecutor(job.split()).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
+                                               n_microbatches=job.n_microbatches)
+
+
+class QuietRnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(8, 8, dropout=0.2, batch_first=True), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.rnn(x)[0]
+        pc.pipe_split()
+        return self.head(h)
+
+
 @pytest.mark.filterwarnings("ignore:dropout option adds dropout after all but last recurrent layer")
-def test_random_layers_that_draw_nothing_leave_the_check_deterministic() -> None:
-    """Stochastic depth with p=0 and a one-layer LSTM's dropout= draw nothing: any runner checks them."""
-    StochasticDepth = pytest.importorskip("torchvision.ops").StochasticDepth
+def test_a_one_layer_rnn_s_dropout_draws_nothing_and_leaves_the_check_deterministic() -> None:
+    """torch applies an RNN's dropout= between its layers only: any runner checks a one-layer LSTM."""
+    torch.manual_seed(0)
+    report = pc.assert_equivalent(QuietRnn(), (torch.randn(4, 3, 8),), n_microbatches=2, runner=_one_call)
+    assert report.ok and "random op" not in report.headline()
+
+
+def test_stochastic_depth_with_p_0_draws_nothing_and_leaves_the_check_deterministic() -> None:
+    StochasticDepth = pytest.importorskip("torchvision.ops").StochasticDepth  # the [vision] extra
 
     class Quiet(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.rnn, self.depth, self.head = nn.LSTM(8, 8, dropout=0.2, batch_first=True), StochasticDepth(0.0, "row"), \
-                nn.Linear(8, 4)
+            self.a, self.depth, self.head = nn.Linear(8, 8), StochasticDepth(0.0, "row"), nn.Linear(8, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.rnn(x)[0]
+            h = self.a(x)
             pc.pipe_split()
-            return self.head(self.depth(h))
-
-    def one_call(job: pc.Job) -> pc.StepResult:  # no follows_random_contract: fine for a deterministic model
-        return pc.DetachExecutor(job.split()).step(job.args, job.kwargs, loss_fn=job.loss_fn, target=job.target,
-                                                   n_microbatches=job.n_microbatches)
+            return self.head(h + self.depth(h))
 
     torch.manual_seed(0)
-    report = pc.assert_equivalent(Quiet(), (torch.randn(4, 3, 8),), n_microbatches=2, runner=one_call)
+    report = pc.assert_equivalent(Quiet(), (torch.randn(4, 8),), n_microbatches=2, runner=_one_call)
     assert report.ok and "random op" not in report.headline()
 
 
