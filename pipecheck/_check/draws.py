@@ -26,7 +26,13 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipecheck._runtime.randomness import draws_random, listening, position, schedule_step
+from pipecheck._runtime.randomness import (
+    NATIVE_DROPOUT,
+    draws_random,
+    listening,
+    position,
+    schedule_step,
+)
 from pipecheck._runtime.randomness import microbatch as microbatch_block
 from pipecheck._runtime.reference import DetachExecutor
 from pipecheck._split.inputs import Inputs, as_args
@@ -39,7 +45,6 @@ Position = tuple[int, int, int]  # (optimizer step, schedule step, micro-batch a
 # Ops whose tensor outputs are the draw itself (their values replayed as recorded); native_dropout's
 # first output is computed from its replayed mask. Any other random op (a fused attention kernel that
 # draws its dropout mask inside, on CUDA) is refused: its draw cannot be replayed into float64.
-_DROPOUT = "aten::native_dropout"
 _REPLAYABLE = {f"aten::{name}" for name in (
     "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
     "normal", "normal_", "uniform_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_",
@@ -89,7 +94,7 @@ def _unreplayable(name: str, stage: int | None) -> InputError:
                       "deterministic model only.")
 
 
-_SHAPE_ONLY = {"aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::native_dropout"}
+_SHAPE_ONLY = {"aten::rand_like", "aten::randn_like", "aten::randint_like", NATIVE_DROPOUT}
 
 
 def _value_dependent(func: Any, args: Any, kwargs: Any) -> bool:
@@ -278,7 +283,7 @@ class Replay(TorchDispatchMode):
             for i, saved in zip(tensors, draw.outputs):
                 if saved is not None:
                     leaves[i].copy_(saved)
-            if name == _DROPOUT:  # (input * mask / (1 - p), mask)
+            if name == NATIVE_DROPOUT:  # (input * mask / (1 - p), mask)
                 p = float(args[1])
                 leaves[0].copy_(args[0] * leaves[1] * (1.0 / (1.0 - p)) if p < 1 else args[0] * 0)
         self._mark(here, k + 1)

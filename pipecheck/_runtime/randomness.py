@@ -30,6 +30,8 @@ def seed_of(seed: int, *, step: int, schedule_step: int, stage: int, microbatch:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
+NATIVE_DROPOUT = "aten::native_dropout"  # (input * mask / (1 - p), mask): its first output is not a draw
+
 _PLAIN: set[Any] = set()  # ops seen not to draw: every op of a replayed run passes here, most of them often
 
 

@@ -32,14 +32,18 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipecheck._runners.job import Job
-from pipecheck._runtime.randomness import drawing, draws_random, microbatch, schedule_step
+from pipecheck._runtime.randomness import (
+    NATIVE_DROPOUT,
+    drawing,
+    draws_random,
+    microbatch,
+    schedule_step,
+)
 from pipecheck._runtime.reference import DetachExecutor
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import split_microbatches, unwrap_replicated
 from pipecheck._split.pipe import Pipe
 from pipecheck.errors import InputError
-
-_DROPOUT = "aten::native_dropout"  # (input * mask / (1 - p), mask): its first output is not a draw
 
 
 @dataclass
@@ -90,7 +94,7 @@ class _DrawLog(TorchDispatchMode):
         if draws_random(func, args, kwargs):
             name = func._schema.name
             leaves = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
-            kept = leaves[1:] if name == _DROPOUT else leaves
+            kept = leaves[1:] if name == NATIVE_DROPOUT else leaves
             self.drawn.append(_Drawn(self.stage[0], name, [leaf.detach().clone() for leaf in kept]))
         return out
 
