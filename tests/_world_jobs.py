@@ -197,3 +197,8 @@ def cuda_memory(ctx: RankContext) -> int:
     """Bytes the rank's caching allocator holds for tensors (torch's CUDA IPC limbo included)."""
     torch.cuda.synchronize(ctx.device)
     return torch.cuda.memory_allocated(ctx.device)
+
+
+def placement(ctx: RankContext) -> tuple[str, ...]:
+    """Every rank's compute device, as this rank knows it (whom it may pass tensors to on a GPU)."""
+    return ctx.devices

@@ -14,6 +14,7 @@ import _world_jobs as jobs
 import pytest
 import torch
 import torch.nn as nn
+from _training_models import adamw, make_tied_lm, token_ce, tokens
 from pipecheck.fixtures import get
 
 import pipecheck as pc
@@ -200,6 +201,17 @@ def test_a_check_through_shared_tensors_passes(file_ipc: Callable[[int], Any]) -
                                   target=entry.target(), n_microbatches=4)
     assert report.ok
     assert _totals(world.run(ipc.counts))[0] > 0
+
+
+def test_a_training_check_of_two_replicas_through_shared_tensors_passes(file_ipc: Callable[[int], Any]) -> None:
+    """Optimizer steps on one executor (its links kept across steps), two pipelines of two ranks each."""
+    x, y = tokens(pad=3)
+    world = file_ipc(4)
+    report = pc.assert_equivalent(make_tied_lm, (x,), runner="distributed", world=world, data_parallel=2, steps=2,
+                                  n_microbatches=4, accumulation_steps=2, optimizer=adamw, loss_fn=token_ce,
+                                  target=y, loss_reduction="token_mean")
+    assert report.ok
+    assert all(c["shared"] > 0 and c["opened"] > 0 for c in world.run(ipc.counts))
 
 
 def test_twenty_steps_leave_no_more_shared_memory_than_one(file_ipc: Callable[[int], Any]) -> None:
