@@ -15,12 +15,13 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 
 import pipecheck as pc
+# private: the eager step's internals (its micro-batch sums), the check's placement, the input binding and the
+# reference runner's function are under test or reused by a planted-bug runner
 import pipecheck._check.placement as placement
 from pipecheck._check.eager import _differentiable, _each_microbatch, eager_step
 from pipecheck._check.placement import Placement, on_host
 from pipecheck._split.inputs import prepare_inputs
 from pipecheck._split.microbatch import split_microbatches
-from pipecheck._split.model_factory import ModelFactory
 from pipecheck.losses import MicrobatchLoss
 
 
@@ -99,16 +100,16 @@ def test_a_factory_runs_under_the_checks_device_and_falls_back_to_the_host() -> 
         seen.append(torch.get_default_device())
         return layer
 
-    built = ModelFactory(plain, device="meta")()
+    built = pc.ModelFactory(plain, device="meta")()
     assert seen == [torch.device("meta")] and built.weight.device.type == "meta"
     seen.clear()
-    built = ModelFactory(host_only, device="meta")()
+    built = pc.ModelFactory(host_only, device="meta")()
     assert seen == [torch.device("cpu")] and built.weight.device.type == "meta"
     seen.clear()
-    ModelFactory(plain, device="cpu")()
+    pc.ModelFactory(plain, device="cpu")()
     assert seen == [torch.device("cpu")]
     module = nn.Linear(4, 4)
-    assert ModelFactory(module, device="meta")().weight.device.type == "meta" and module.weight.device.type == "cpu"
+    assert pc.ModelFactory(module, device="meta")().weight.device.type == "meta" and module.weight.device.type == "cpu"
 
 
 def _tensors_reachable(root: Any, limit: int = 200_000) -> list[torch.Tensor]:
