@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -153,6 +154,22 @@ def assert_equivalent(
             if not _timed_out(err):
                 _refuse_stale(hits, model, f"{type(err).__name__}: {first_line(err)[:200]}", err)
             raise
+        finally:
+            _release(device)
+
+
+def _release(device: str | None) -> None:
+    """A check on an accelerator frees what it held there before it returns: its split's graph modules
+    form reference cycles (an fx graph and its module hold each other), which keep the model's parameters
+    alive until Python's cycle collector runs, so a second check would build beside the first's model.
+    A full collection (a fraction of a second) is worth it there; on the CPU the collector's own pace
+    frees them."""
+    try:
+        accelerator = device is not None and torch.device(device).type != "cpu"
+    except (RuntimeError, TypeError):  # not a device: the check said so already
+        return
+    if accelerator:
+        gc.collect()
 
 
 def _timed_out(err: BaseException) -> bool:

@@ -210,3 +210,16 @@ def test_a_real_size_check_on_a_gpu_builds_there_keeps_nothing_and_peaks_no_high
         del report
     assert seen and all(device.type == "cuda" for device in seen)
     assert peaks[2] <= peaks[1], peaks
+
+
+def test_a_check_on_an_accelerator_collects_its_reference_cycles_before_it_returns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fx's graph modules and their graphs hold each other: without a collection a check's model outlives it
+    until Python's collector runs (measured: the whole model still alive after a check on the CPU), and a second
+    check on a GPU would build beside it. On the CPU the collector's own pace is left alone."""
+    import pipecheck._check.equivalence as equivalence
+    collected: list[str] = []
+    monkeypatch.setattr(equivalence.gc, "collect", lambda *args: collected.append("gc") or 0)
+    for device in ("cuda", "cuda:1", "meta", "cpu", None, "bogus"):
+        equivalence._release(device)
+    assert collected == ["gc"] * 3
