@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 from pipecheck._check.draws import LossDraws
 from pipecheck._check.numerics import nonfinite
+from pipecheck._check.placement import spilled
 from pipecheck._core.precision import PLAIN, Precision
 from pipecheck._core.result import StepResult
 from pipecheck._core.torch_warnings import torch_internal_warnings_ignored
@@ -329,16 +330,21 @@ def _short(dtype: torch.dtype) -> str:
 
 
 @contextmanager
-def in_dtype(model: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
+def in_dtype(model: nn.Module, dtype: torch.dtype, spill: bool = False) -> Iterator[nn.Module]:
     """The model itself with its floating parameters and buffers in ``dtype`` for the block, then
     exactly as it was: every parameter's own data back (bit for bit, whatever the cast lost), every
     buffer the very object it was. Stages that share the model's parameters see the same; no second
-    copy of the model is made."""
-    params = [(module, name, param, param.data, param.grad, None if param.grad is None else param.grad.data)
+    copy of the model is made. ``spill``: the parameters' own data waits on the host meanwhile, where nothing
+    else holds it (pipecheck._check.placement.spilled), so a tight accelerator holds the float64 copy alone."""
+    own: dict[int, torch.Tensor] = {}  # one tensor object a parameter: a tied one's storage is still its alone
+    params = [(module, name, param, own.setdefault(id(param), param.data), param.grad,
+               None if param.grad is None else param.grad.data)
               for module in model.modules() for name, param in module._parameters.items() if param is not None]
     buffers = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()]
     try:
-        yield cast_module(model, dtype)  # complex parameters to the complex counterpart, never to real
+        cast = cast_module(model, dtype)  # complex parameters to the complex counterpart, never to real
+        with spilled(list(own.values()) if spill else []):
+            yield cast
     finally:
         for module, name, param, data, grad, grad_data in params:  # the very objects (a cast may replace them)
             module._parameters[name] = param

@@ -260,7 +260,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         check_deterministic(built, inputs, n_microbatches, seed)
     with clock("fp64_s"):  # built as it was after
         ref64 = place.keep(float64_truth(built, inputs, loss_fn or projection_loss, target_used, n_microbatches,
-                                         check_grads, seed, result_dtype(eager)))
+                                         check_grads, seed, result_dtype(eager), spill=bool(place.host)))
     check_finite(eager)
 
     inputs = inputs.unspoiled()

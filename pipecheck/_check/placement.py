@@ -100,3 +100,35 @@ class Placement:
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         need = self.eager_peak or 4 * model_bytes
         return free < STEPS_TO_COME * need + 3 * results  # the truth's (twice eager's bytes) and the runner's
+
+
+def _exclusive(storage: torch.UntypedStorage) -> bool:
+    """Whether one tensor alone holds ``storage`` (the count includes the Python object asked for it)."""
+    return bool(torch._C._storage_Use_Count(storage._cdata) <= 2)
+
+
+@contextmanager
+def spilled(tensors: list[torch.Tensor]) -> Iterator[int]:
+    """The storages of ``tensors`` emptied for the block, their bytes kept on the host, then put back bit for
+    bit (the same storage objects, so every tensor on them is whole again). Only a storage one of
+    ``tensors`` alone holds is spilled: one a view, another parameter or anything else also holds stays as
+    it is. Yields the bytes freed. (The float64 truth's step spills the parameters' own data while their
+    float64 copies run, on a tight accelerator: pipecheck._check.eager.in_dtype.)"""
+    held: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+    seen: set[int] = set()
+    try:
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in seen or not storage.nbytes() or not _exclusive(storage):
+                seen.add(key)
+                continue
+            seen.add(key)
+            copy = storage.cpu() if storage.device.type != "cpu" else storage.clone()
+            held.append((storage, copy))
+            storage.resize_(0)
+        yield sum(copy.nbytes() for _, copy in held)
+    finally:
+        for storage, copy in held:
+            storage.resize_(copy.nbytes())
+            storage.copy_(copy)

@@ -181,13 +181,14 @@ class Truth(StepResult):
 
 
 def float64_truth(model: nn.Module, inputs: Inputs, loss_fn: LossFn, target: Any, n_microbatches: int,
-                  check_grads: bool, seed: int, eager_dtype: torch.dtype = torch.float32) -> Truth:
+                  check_grads: bool, seed: int, eager_dtype: torch.dtype = torch.float32, spill: bool = False) -> Truth:
     """The model's step in float64, seeded with ``seed``, its buffers and dtypes left as found.
     ``eager_dtype``: the dtype the check runs in; in float64 the truth is eager's own computation,
-    and its rounding is estimated (see :func:`_float64_rounding`)."""
+    and its rounding is estimated (see :func:`_float64_rounding`). ``spill``: the parameters' own data
+    waits on the host while the float64 copy runs (a tight accelerator: pipecheck._check.placement)."""
 
     def step(mode: Float64Ops | None = None, dtype: torch.dtype = torch.float64) -> StepResult:
-        with seeded(seed), buffers_kept(model), in_dtype(model, dtype) as cast, mode or nullcontext():
+        with seeded(seed), buffers_kept(model), in_dtype(model, dtype, spill) as cast, mode or nullcontext():
             fresh = inputs.unspoiled()
             args, kwargs, cast_target = cast_inputs((fresh.args, fresh.kwargs, target), dtype, None, copy=True)
             return eager_step(cast, inputs, loss_fn, n_microbatches, check_grads, args=args, kwargs=kwargs,

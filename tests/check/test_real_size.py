@@ -223,3 +223,26 @@ def test_a_check_on_an_accelerator_collects_its_reference_cycles_before_it_retur
     for device in ("cuda", "cuda:1", "meta", "cpu", None, "bogus"):
         equivalence._release(device)
     assert collected == ["gc"] * 3
+
+
+def test_the_float64_step_spills_the_parameters_own_data_and_puts_it_back_bit_for_bit() -> None:
+    """On a tight accelerator the parameters' own data waits on the host while their float64 copies run: each
+    storage a parameter alone holds is emptied (a tied parameter's once), one something else also holds (a view
+    kept elsewhere) is left whole, and after the block every parameter is the very object it was, on its own
+    storage, with the same bits."""
+    from pipecheck._check.eager import in_dtype
+    torch.manual_seed(0)
+    model = Tied()
+    kept_view = model.block[0].weight.data[0]  # something else holds this storage: never emptied
+    before = {name: (p, p.detach().clone(), p.untyped_storage()) for name, p in model.named_parameters()}
+    with in_dtype(model, torch.float64, spill=True) as cast:
+        assert all(p.dtype == torch.float64 for p in cast.parameters())
+        sizes = {name: storage.nbytes() for name, (_, _, storage) in before.items()}
+        cast(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, 1, dtype=torch.float64)).sum().backward()
+    assert sizes["emb.weight"] == 0 and sizes["block.2.weight"] == 0 and sizes["block.0.bias"] == 0
+    assert sizes["block.0.weight"] == 8 * 8 * 4  # the view kept it whole
+    for name, p in model.named_parameters():
+        same, value, storage = before[name]
+        assert p is same and p.dtype == torch.float32 and torch.equal(p, value), name
+        assert p.untyped_storage()._cdata == storage._cdata and p.grad is None, name
+    assert torch.equal(kept_view, before["block.0.weight"][1][0])
