@@ -169,7 +169,8 @@ class SharedMemoryLinks(comm.Links):
         slot.seq.value = slot.sent
         slot.wake(slot.seq)
 
-    def _irecv(self, posted: comm.Posted, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> None:
+    def _irecv(self, posted: comm.Posted, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
+               channel: comm.Channel) -> None:
         buffer = torch.empty(shape, dtype=dtype)
         posted.works.append(_Received(self._slot(src, dist.get_rank(), tag, buffer.nbytes), buffer))
         posted.buffers.append(buffer)

@@ -171,3 +171,34 @@ def hang_without_writable_stacks(ctx: RankContext) -> None:
     full = open("/dev/full", "w")  # noqa: SIM115 - faulthandler writes to it until the rank is killed
     faulthandler.register(signal.SIGUSR1, file=full, all_threads=True)
     sleep_forever()
+
+
+_LOSS_CALLS = [0]
+
+
+def loss_that_dies(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss_fn whose rank (the last stage's) exits on its third micro-batch: a rank dying mid-step,
+    with its peers waiting for gradients. Only on a rank: the driver's own calls are left alone."""
+    if dist.is_initialized():
+        _LOSS_CALLS[0] += 1
+        if _LOSS_CALLS[0] == 3:
+            os._exit(3)
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def loss_that_hangs(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss_fn whose rank never finishes: its peers' receives never come."""
+    if dist.is_initialized():
+        sleep_forever()
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def cuda_memory(ctx: RankContext) -> int:
+    """Bytes the rank's caching allocator holds for tensors (torch's CUDA IPC limbo included)."""
+    torch.cuda.synchronize(ctx.device)
+    return torch.cuda.memory_allocated(ctx.device)
+
+
+def placement(ctx: RankContext) -> tuple[str, ...]:
+    """Every rank's compute device, as this rank knows it (whom it may pass tensors to on a GPU)."""
+    return ctx.devices

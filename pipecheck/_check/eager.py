@@ -94,9 +94,11 @@ def _step_each(model: nn.Module, bound: inspect.BoundArguments, calls: list[insp
     """:func:`eager_step` with each micro-batch's backward (of its loss / n) before the next forward;
     parameter gradients summed in ``precision.grad_accumulation`` where it says."""
     params, named_inputs = _differentiable(model, bound)
+    accumulate = precision.grad_accumulation
+    if accumulate is None:  # summed in the tensors' own dtype: autograd adds each into its .grad as it comes
+        return _step_into_grad(model, bound, calls, loss_of, precision, params, named_inputs)
     sums: list[torch.Tensor | None] = [None] * (len(params) + len(named_inputs))
     outputs, losses = [], []
-    accumulate = precision.grad_accumulation
     for out, loss, got in _each_microbatch(model, bound, calls, loss_of, precision):
         for i, grad in enumerate(got):
             if grad is not None:
@@ -107,6 +109,41 @@ def _step_each(model: nn.Module, bound: inspect.BoundArguments, calls: list[insp
         outputs.append(out)
         losses.append(loss)
     grads, input_grads = _by_name(params, named_inputs, sums)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    return StepResult(merge_microbatches(outputs), torch.stack(losses).mean(), grads, input_grads, buffers)
+
+
+def _step_into_grad(model: nn.Module, bound: inspect.BoundArguments, calls: list[inspect.BoundArguments],
+                    loss_of: MicrobatchLoss, precision: Precision, params: list[tuple[str, torch.Tensor]],
+                    named_inputs: list[tuple[str, torch.Tensor]]) -> StepResult:
+    """:func:`_step_each` summing each micro-batch's gradients into the tensors' ``.grad`` (put back as they
+    were after): a parameter's gradient is added as soon as the backward reaches it, so one set of
+    gradients is alive, not the sums and a whole micro-batch's gradients beside them. The same additions
+    in the same order (micro-batch 0 first), so the same values."""
+    wrt = [p for _, p in params] + [t for _, t in named_inputs]
+    saved = [tensor.grad for tensor in wrt]
+    n = len(calls)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    outputs, losses = [], []
+    try:
+        for tensor in wrt:
+            tensor.grad = None
+            if not tensor.is_leaf:
+                tensor.retain_grad()
+        for mb, call in enumerate(calls):
+            with precision.forward(device):
+                out = _call(model, call, n, whole=bound)
+                with LossDraws():
+                    loss = loss_of(mb, out)
+            if wrt and loss.requires_grad:
+                _backward(loss / n, wrt)
+            outputs.append(_detached(out))
+            losses.append(loss.detach())
+            del out, loss
+        grads, input_grads = _by_name(params, named_inputs, [tensor.grad for tensor in wrt])
+    finally:
+        for tensor, grad in zip(wrt, saved):
+            tensor.grad = grad
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     return StepResult(merge_microbatches(outputs), torch.stack(losses).mean(), grads, input_grads, buffers)
 
@@ -179,6 +216,21 @@ def _gradients(model: nn.Module, loss: torch.Tensor, wrt: list[torch.Tensor]) ->
             if _reentrant_checkpoint_in(loss):
                 return _gradients_by_backward(loss, wrt)
             return torch.autograd.grad(loss, wrt, allow_unused=True)
+    except PipecheckError:
+        raise
+    except Exception as err:
+        raise InputError(f"the eager model's backward failed ({type(err).__name__}: {first_line(err)}). Fix: check "
+                         "that loss.backward() runs on this model eagerly.") from err
+
+
+def _backward(loss: torch.Tensor, wrt: list[torch.Tensor]) -> None:
+    """``loss``'s gradient added into the ``.grad`` of each of ``wrt``; a failure as :func:`_gradients` says it."""
+    try:
+        with torch_internal_warnings_ignored():
+            if _reentrant_checkpoint_in(loss):  # refuses inputs=; every leaf it reaches is one of ``wrt``'s kind
+                loss.backward()
+            else:
+                torch.autograd.backward(loss, inputs=wrt)
     except PipecheckError:
         raise
     except Exception as err:

@@ -30,7 +30,8 @@ from pipecheck._check.determinism import check_deterministic, refuse_random
 from pipecheck._check.eager import buffers_kept, check_finite, eager_step, result_dtype
 from pipecheck._check.in_driver import in_driver
 from pipecheck._check.localise import ReferenceByMicrobatch, locate, not_located
-from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_tolerance
+from pipecheck._check.numerics import POWER_LIMIT, ToleranceLike, check_tolerance, compared_on
+from pipecheck._check.placement import Placement
 from pipecheck._check.random_ops import with_randomness
 from pipecheck._check.report import Report, percent
 from pipecheck._check.rounding import rounding_excused
@@ -233,14 +234,16 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
         report.notes[:0] = left_out_notes(built)
         return _verdict(report, tolerance, factory)
     initial_buffers = {name: b.detach().clone() for name, b in built.named_buffers()}
-    with clock("eager_s"), seeded(seed), buffers_kept(built):  # the user's RNG: untouched
+    place = Placement.of(device)  # finished results off the accelerator where it is tight
+    with clock("eager_s"), seeded(seed), buffers_kept(built), place.measuring():  # the user's RNG: untouched
         eager, target_used = eager_step(built, inputs, loss_fn, n_microbatches, check_grads, precision=precision)
+    eager = place.keep(eager, sum(p.nbytes for p in built.parameters()))
     inputs = inputs.unspoiled()
     with clock("probe_s"):  # two forwards of one micro-batch
         check_deterministic(built, inputs, n_microbatches, seed)
     with clock("fp64_s"):  # built as it was after
-        ref64 = float64_truth(built, inputs, loss_fn or projection_loss, target_used, n_microbatches, check_grads,
-                              seed, result_dtype(eager))
+        ref64 = place.keep(float64_truth(built, inputs, loss_fn or projection_loss, target_used, n_microbatches,
+                                         check_grads, seed, result_dtype(eager)))
     check_finite(eager)
 
     inputs = inputs.unspoiled()
@@ -250,7 +253,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
               stages_per_rank=stages_per_rank, device=str(device or "cpu"), timeout=timeout, world=world,
               trace_path=trace_path, pipe=pipe, precision=precision)
     with clock("runner_s"):
-        result = _run(run, runner_name, dataclasses.replace(job, kwargs=dict(job.kwargs)))
+        result = place.keep(_run(run, runner_name, dataclasses.replace(job, kwargs=dict(job.kwargs))))
     anchored: ToleranceLike = tolerance
     anchor_notes: list[str] = []
     if tolerance == "auto" and low_precision(eager, precision):  # float64 is too far from eager to anchor on
@@ -269,7 +272,7 @@ def _check(model: Any, args: Any, kwargs: Mapping[str, Any] | None, split_spec: 
     clean = inputs.unspoiled()  # hints re-run the reference: never on inputs the runner wrote into
     job = dataclasses.replace(job, args=clean.args, kwargs=clean.kwargs)
     reference = ReferenceByMicrobatch(job)  # run only on failure, by the hints and the locating step
-    with clock("compare_s"):
+    with clock("compare_s"), compared_on(place.device if place.host else None):
         rows, hints, notes = compare_all(pipe, job, result, eager, ref64, anchored, check_grads, initial_buffers,
                                          reference)
     timings["total_s"] = time.perf_counter() - started

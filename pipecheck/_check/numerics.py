@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +175,19 @@ def _failing_row(name: str, stages: tuple[int, ...], shape: tuple[int, ...], not
     return Row(name, stages, shape, False, float("inf"), float("inf"), tol, None, 0, 0, note)
 
 
+_COMPARED_ON: ContextVar[torch.device | None] = ContextVar("compared_on", default=None)
+
+
+@contextmanager
+def compared_on(device: torch.device | None) -> Iterator[None]:
+    """Rows compared in the block are computed on ``device`` (None: where each row's eager value is)."""
+    token = _COMPARED_ON.set(device)
+    try:
+        yield
+    finally:
+        _COMPARED_ON.reset(token)
+
+
 def compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceLike,
             stages: tuple[int, ...] = (), microbatches: int = 0, truth_error: torch.Tensor | None = None,
             kind: str = "") -> Row:
@@ -220,11 +235,13 @@ def _compare(name: str, test: Any, eager: Any, ref64: Any, tolerance: ToleranceL
                        torch.view_as_real(eager.detach().resolve_conj()), real, tolerance, stages, 0, error, noise)
         index = row.worst_index[:-1] if row.worst_index is not None else None  # the element, not its part
         return dataclasses.replace(row, shape=shape, worst_index=index)
-    device = eager.device  # compared where eager's result lives: no copy to the host per tensor
+    # compared where eager's result lives (no copy to the host per tensor), or on the check's device
+    # when its results wait on the host (pipecheck._check.placement): one row's tensors there at a time
+    device = _COMPARED_ON.get() or eager.device
     test64 = test.detach().to(device=device, dtype=torch.float64)
-    eager64 = eager.detach().to(dtype=torch.float64)
+    eager64 = eager.detach().to(device=device, dtype=torch.float64)
     if tolerance == "exact":
-        failing = ~((test.detach().to(device) == eager.detach()) | (test64.isnan() & eager64.isnan()))
+        failing = ~((test.detach().to(device) == eager.detach().to(device)) | (test64.isnan() & eager64.isnan()))
         return _row(name, stages, shape, _Diff(test64, eager64), failing, lambda _: "exact", None, microbatches,
                     _Power(_scale(eager64), 0.0, 0.0, None))
     if isinstance(tolerance, Tolerance):

@@ -17,6 +17,10 @@ action can be posted ahead of time (``post_value`` / ``post_grads``) and
 waited on when the action runs (``finish_value`` / ``finish_grads``). Gradients need no
 layout: the producer knows its own outputs' shapes, and every leaf that
 requires grad gets a tensor (zeros where the consumer produced none).
+
+Between ranks that compute on one GPU and talk through gloo, a tensor leaf's message is instead a
+description of a CUDA IPC share of it (ipc.py), in a fixed-size frame under the same tag, with its
+own HMAC checked before it is unpickled or opened; the receiver copies the shared tensor on the device.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from pipecheck._runtime.ipc import COUNTS, Sharing
 from pipecheck._runtime.stage_step import LeafGrads
 from pipecheck._split.pipe import Pipe
 from pipecheck.errors import EngineError
@@ -40,6 +45,7 @@ _TAG_BYTES = 32  # HMAC-SHA256 of a layout's pickle, before it
 _SIZE_BYTES = 8  # a layout's length, little-endian, then its own HMAC: checked before anything is allocated
 MAX_LAYOUT_BYTES = 1 << 30  # what a receiver allocates at most for one layout, key or no key
 LEAF_SLOTS = 64  # tags reserved per message: 0 = layout size, 1 = layout bytes, 2.. = tensor leaves
+SHARE_BYTES = 1024  # one shared tensor's frame: HMAC, length, the description's pickle, zeros
 
 
 @dataclass(frozen=True)
@@ -78,15 +84,29 @@ class Posted:
     layout: Layout | None = None
     value: Any = None  # for gradients: the output whose gradient is coming
     works: list[Any] = field(default_factory=list)
-    buffers: list[torch.Tensor] = field(default_factory=list)
+    buffers: list[torch.Tensor | SharedSlot] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SharedSlot:
+    """A leaf that comes as a shared tensor's description: the frame, and what it must hold."""
+
+    frame: torch.Tensor
+    channel: Channel
+    src: int
+    tag: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class Links:
     """The p2p channels of one rank, for one step."""
 
     def __init__(self, pipe: Pipe, stage_to_rank: tuple[int, ...], device: torch.device,
-                 comm_device: torch.device, secret: bytes = b"") -> None:
+                 comm_device: torch.device, secret: bytes = b"", sharing: Sharing | None = None) -> None:
+        """``sharing``: the ranks this one passes tensors to on the device (ipc.py), and how."""
         self.stage_to_rank = stage_to_rank
+        self.sharing = sharing
         self.secret = secret  # the World's key (a torchrun job's ranks share none: integrity only)
         self.device = device
         self.comm_device = comm_device
@@ -142,13 +162,56 @@ class Links:
         cid = self.channel_ids[channel]
         return ((mb * len(self.channel_ids) + cid) * 2 + int(backward)) * LEAF_SLOTS + slot
 
+    def _shares_with(self, rank: int) -> bool:
+        return self.sharing is not None and rank in self.sharing.peers
+
+    def _send_leaf(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """A tensor leaf: itself, or to a rank on this GPU the frame that shares it."""
+        self._isend(self._shared_frame(tensor, tag) if self._shares_with(dst) else tensor, dst, tag)
+
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self.pending.append(dist.isend(tensor.detach().to(self.comm_device).contiguous(), dst, tag=tag))
 
-    def _irecv(self, posted: Posted, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> None:
+    def _shared_frame(self, tensor: torch.Tensor, tag: int) -> torch.Tensor:
+        """The frame that passes ``tensor`` by IPC: its description's pickle, signed for this tag."""
+        assert self.sharing is not None
+        blob = pickle.dumps(self.sharing.transport.share(tensor))
+        COUNTS["shared"] += 1
+        frame = self._mac(blob, tag) + len(blob).to_bytes(_SIZE_BYTES, "little") + blob
+        if len(frame) > SHARE_BYTES:  # torch's record is a few hundred bytes whatever the tensor's size
+            raise EngineError(f"a shared tensor's description takes {len(frame)} bytes, more than the "
+                              f"{SHARE_BYTES} a frame holds (shape {tuple(tensor.shape)}). This is pipecheck's "
+                              "bug: please report it; World(device='cpu') avoids this path.")
+        return torch.frombuffer(bytearray(frame.ljust(SHARE_BYTES, b"\0")), dtype=torch.uint8)
+
+    def _irecv(self, posted: Posted, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
+               channel: Channel) -> None:
+        if self._shares_with(src):
+            frame = torch.empty((SHARE_BYTES,), dtype=torch.uint8, device=self.comm_device)
+            posted.works.append(dist.irecv(frame, src, tag=tag))
+            posted.buffers.append(SharedSlot(frame, channel, src, tag, shape, dtype))
+            return
         buffer = torch.empty(shape, dtype=dtype, device=self.comm_device)
         posted.works.append(dist.irecv(buffer, src, tag=tag))
         posted.buffers.append(buffer)
+
+    def _opened(self, slot: SharedSlot) -> torch.Tensor:
+        """This rank's copy of the tensor a peer shared, once the frame proves it came from the World."""
+        assert self.sharing is not None
+        frame = bytes(slot.frame.tolist())
+        size = int.from_bytes(frame[_TAG_BYTES:_TAG_BYTES + _SIZE_BYTES], "little")
+        start = _TAG_BYTES + _SIZE_BYTES
+        payload = frame[:_TAG_BYTES] + frame[start:start + min(size, SHARE_BYTES - start)]
+        description = pickle.loads(self.verified(payload, slot.channel, slot.src, slot.tag, "shared tensor"))
+        tensor = self.sharing.transport.open(description, self.device)
+        COUNTS["opened"] += 1
+        if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            producer, name, consumer = slot.channel
+            raise EngineError(
+                f"value {name!r} (stage {producer} to stage {consumer}) came from rank {slot.src} as a tensor of "
+                f"shape {tuple(tensor.shape)} and dtype {tensor.dtype}, where its layout says {slot.shape} and "
+                f"{slot.dtype}. This is pipecheck's bug: please report it; World(device='cpu') avoids this path.")
+        return tensor
 
     def _needs_layout(self, cid: int, known: dict[int, Layout]) -> bool:
         """A layout travels on a channel's first use, and every time if the value has non-tensor leaves
@@ -174,7 +237,7 @@ class Links:
             self._isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, size_tag)
             self._isend(torch.frombuffer(bytearray(signed), dtype=torch.uint8), dst, layout_tag)
         for i, tensor in enumerate(tensors):
-            self._isend(tensor, dst, self._tag(channel, mb, False, 2 + i))
+            self._send_leaf(tensor, dst, self._tag(channel, mb, False, 2 + i))
 
     @staticmethod
     def _check_layout(sent: Layout, value: Any, channel: Channel, mb: int) -> None:
@@ -214,7 +277,7 @@ class Links:
         for described, is_tensor in zip(layout.leaves, layout.is_tensor):
             if is_tensor:
                 shape, dtype, _ = described
-                self._irecv(posted, shape, dtype, src, self._tag(channel, mb, False, slot))
+                self._irecv(posted, shape, dtype, src, self._tag(channel, mb, False, slot), channel)
                 slot += 1
         return posted
 
@@ -233,7 +296,7 @@ class Links:
         slot = 2
         for leaf, grad in zip(pytree.tree_leaves(value), grads):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                self._isend(grad if grad is not None else torch.zeros_like(leaf), dst,
+                self._send_leaf(grad if grad is not None else torch.zeros_like(leaf), dst,
                             self._tag(channel, mb, True, slot))
                 slot += 1
 
@@ -245,7 +308,8 @@ class Links:
         slot = 2
         for leaf in pytree.tree_leaves(value):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                self._irecv(posted, tuple(leaf.shape), leaf.dtype, src, self._tag(channel, mb, True, slot))
+                self._irecv(posted, tuple(leaf.shape), leaf.dtype, src, self._tag(channel, mb, True, slot),
+                            channel)
                 slot += 1
         return posted
 
@@ -257,9 +321,12 @@ class Links:
     def _wait(self, posted: Posted) -> list[torch.Tensor]:
         for work in posted.works:
             work.wait()
-        return [buffer.to(self.device) for buffer in posted.buffers]
+        return [self._opened(buffer) if isinstance(buffer, SharedSlot) else buffer.to(self.device)
+                for buffer in posted.buffers]
 
     def wait_sends(self) -> None:
         for work in self.pending:
             work.wait()
         self.pending.clear()
+        if self.sharing is not None:
+            self.sharing.transport.collect()  # what receivers copied in this step (or the last)

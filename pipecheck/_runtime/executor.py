@@ -36,6 +36,7 @@ from pipecheck._core.precision import PLAIN, Precision
 from pipecheck._core.result import RankReport
 from pipecheck._runtime.boundaries import Boundaries, instrument
 from pipecheck._runtime.comm import Channel, Links, Posted
+from pipecheck._runtime.ipc import sharing_for
 from pipecheck._runtime.randomness import microbatch
 from pipecheck._runtime.reference import sum_stage_grads
 from pipecheck._runtime.stage_step import (
@@ -154,7 +155,8 @@ class StageExecutor:
         self.recorder = Boundaries() if spec.record else None
         if self.recorder is not None:
             instrument(self.pipe, self.recorder)
-        self.links = Links(self.pipe, self.stage_to_rank, ctx.device, ctx.comm_device, ctx.secret)
+        self.links = Links(self.pipe, self.stage_to_rank, ctx.device, ctx.comm_device, ctx.secret,
+                           sharing_for(ctx))
         self.n_microbatches = spec.schedule.n_microbatches
         self.loss_fn = spec.loss_fn
         self.precision = spec.precision

@@ -6,7 +6,9 @@
 
 A factory is what travels to worker processes: a user's nn.Module is deep-copied
 (never touched), a zero-argument callable is called under a fixed seed, so every
-rank builds bit-identical weights.
+rank builds bit-identical weights. On an accelerator the callable runs under that
+device's default-device context: its parameters are made there, not on the host
+and copied (a factory that pins its own device still works).
 """
 
 from __future__ import annotations
@@ -143,13 +145,33 @@ class ModelFactory:
                              "machine with a GPU and a CUDA build of torch.")
 
     def __call__(self) -> nn.Module:
-        with seeded(self.seed):
-            model, owned = build_module(self.source)
-            if not owned:
-                model = copy_module(model)
+        model = self._built_where_it_runs()
+        if model is None:
+            with seeded(self.seed):
+                model, owned = build_module(self.source)
+                if not owned:
+                    model = copy_module(model)
         if self.dtype is not None or self.device is not None:
             model = cast_module(model, self.dtype, self.device)
         return caches_left_out(model)
+
+    def _built_where_it_runs(self) -> nn.Module | None:
+        """A factory's module built on the check's accelerator (its parameters made there, under the
+        default-device context: no build on the host and copy), or None to build it on the host: a
+        module given (copied as it is), the CPU, or a factory that fails there (one that computes with
+        host-only code: numpy, ``.tolist()``), which the host build then runs or explains."""
+        device = torch.device(self.device) if self.device is not None else None
+        if device is None or device.type == "cpu" or isinstance(self.source, nn.Module) \
+                or not callable(self.source):
+            return None
+        if device.type == "cuda":
+            torch.cuda.init()  # before seeding: a lazily initialised CUDA would draw from its default seed
+        try:
+            with seeded(self.seed), device:
+                model = self.source()
+        except Exception:
+            return None
+        return model if isinstance(model, nn.Module) else None
 
     def on(self, device: str | torch.device) -> ModelFactory:
         """The same model, built on ``device`` (each rank builds on its own)."""

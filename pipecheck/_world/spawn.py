@@ -189,6 +189,7 @@ class SpawnedRanks:
                     threads=self.properties.threads_per_rank,
                     environ=dict(os.environ),
                     secret=secret,
+                    devices=self.properties.devices,
                     start_deadline=wall_deadline,
                 )
                 driver_end, worker_end = spawn.Pipe()

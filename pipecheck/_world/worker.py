@@ -100,6 +100,7 @@ class WorkerConfig:
     threads: int  # intra-op threads of this rank (torch.set_num_threads)
     environ: dict[str, str]  # the driver's environment when the rank started (a forkserver has an older one)
     secret: bytes = b""  # the World's key: what a rank unpickles from a peer must carry its tag
+    devices: tuple[str, ...] = ()  # every rank's compute device (WorldProperties.devices)
     start_deadline: float = float("inf")  # time.time() by which the driver gives up on the start
 
 
@@ -177,7 +178,7 @@ class WorldProperties:
     backend: str  # "gloo" or "nccl"
     devices: tuple[str, ...]  # rank r computes on devices[r]
     comm_devices: tuple[str, ...]  # rank r passes tensors to torch.distributed on comm_devices[r]
-    gpus_shared: bool  # fewer GPUs than ranks: ranks share GPUs and talk through gloo on CPU
+    gpus_shared: bool  # fewer GPUs than ranks: ranks share GPUs, talk through gloo, pass tensors by CUDA IPC
     launcher: str  # "spawn" (World(n)) or "torchrun" (World.from_env())
     threads_per_rank: int  # intra-op threads each rank runs (torch.set_num_threads)
 
@@ -215,7 +216,9 @@ class RankContext:
 
     ``device`` is where the rank computes; ``comm_device`` is where tensors
     must be for ``torch.distributed`` calls (CPU when ranks share a GPU and
-    talk through gloo). Set ``stage`` and ``action`` as the task progresses so
+    talk through gloo); ``devices`` is every rank's compute device, by rank,
+    ``""`` for a rank on another host: ranks on one GPU pass boundary tensors
+    on it (``pipecheck._runtime.ipc``). Set ``stage`` and ``action`` as the task progresses so
     that a failure, hang or crash report says what the rank was doing; they are
     mirrored to ``board`` (internal), which the driver can read even after the
     rank hangs or dies.
@@ -232,6 +235,7 @@ class RankContext:
     action: str | None = None
     board: StageBoard | None = field(default=None, repr=False, compare=False)
     secret: bytes = field(default=b"", repr=False, compare=False)  # the World's message key (see _comm)
+    devices: tuple[str, ...] = ()  # every rank's compute device as this host names it; "" on another host
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -351,6 +355,7 @@ def _join_world(config: WorkerConfig, board: StageBoard) -> RankContext | PeersU
         threads=config.threads,
         board=board,
         secret=config.secret,
+        devices=config.devices,
     )
 
 

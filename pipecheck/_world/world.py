@@ -34,6 +34,7 @@ import multiprocessing.util  # noqa: F401 - import before atexit.register below,
 import os
 import pickle
 import signal
+import socket
 import threading
 import weakref
 from typing import Any, cast
@@ -174,15 +175,19 @@ class _TorchrunRank:
                 dist.ProcessGroup, dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
             )  # sentinel too; every rank is a member
         comm = local if backend == "nccl" else torch.device("cpu")
-        self.ctx = RankContext(rank, world_size, local, backend, comm, dist.group.WORLD, threads)
         placements: list[Any] = [None] * world_size
-        dist.all_gather_object(placements, (str(local), str(comm)), group=self.control)
+        host = socket.gethostname()
+        dist.all_gather_object(placements, (str(local), str(comm), host), group=self.control)
+        # Ranks on this host and GPU pass tensors by CUDA IPC (pipecheck._runtime.ipc): another host's
+        # "cuda:0" is another GPU.
+        here = tuple(compute if on == host else "" for compute, _, on in placements)
+        self.ctx = RankContext(rank, world_size, local, backend, comm, dist.group.WORLD, threads, devices=here)
         self.properties = WorldProperties(
             world_size,
             device,
             backend,
-            tuple(compute for compute, _ in placements),
-            tuple(talk for _, talk in placements),
+            tuple(compute for compute, _, _ in placements),
+            tuple(talk for _, talk, _ in placements),
             shared,
             "torchrun",
             threads,

@@ -270,7 +270,8 @@ def test_what_torch_would_fail_on_mid_step_is_refused_before_any_rank_runs(pipec
 
 
 def test_ranks_sharing_a_gpu_are_refused_before_any_rank_runs() -> None:
-    """gloo cannot send CUDA tensors, and torch hands them to it straight: refused up front."""
+    """gloo's send/recv cannot carry CUDA tensors, and torch hands them to it straight: refused up front,
+    saying the rule (a GPU per rank), the placement seen and the ways out."""
     from types import SimpleNamespace
 
     entry = get("mlp")
@@ -282,10 +283,12 @@ def test_ranks_sharing_a_gpu_are_refused_before_any_rank_runs() -> None:
 
     world = SharedGpuWorld(world_size=4, device="cuda", properties=SimpleNamespace(
         gpus_shared=True, devices=("cuda:0",) * 4))
-    with pytest.raises(pc.EngineError, match="share 1 GPU") as caught:
+    with pytest.raises(pc.EngineError, match=r"needs one GPU per rank, and .* runs 4 ranks on 1 GPU\(s\) \(cuda:0\)"
+                       ) as caught:
         pc.assert_equivalent(entry.factory(), args, kwargs, runner="torch", n_microbatches=4, world=world)
     assert caught.value.engine == "torch.distributed.pipelining"
-    assert "runner='distributed'" in str(caught.value)
+    assert "Fix: runner='distributed', which passes tensors between ranks on one GPU on the device" in str(caught.value)
+    assert "or as many GPUs as ranks (4, NCCL)" in str(caught.value)
 
 
 def test_a_cause_that_says_nothing_gives_way_to_the_one_that_does() -> None:

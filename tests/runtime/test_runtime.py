@@ -149,7 +149,8 @@ def test_world_size_that_does_not_fit_the_schedule_is_a_clear_error(pipecheck_wo
 
 @pytest.mark.gpu(n=1)
 def test_ranks_sharing_one_gpu_match_eager():
-    """Fewer GPUs than ranks: the ranks share the GPU and stage tensors through gloo on CPU."""
+    """Fewer GPUs than ranks: the ranks share the GPU, talk through gloo, and pass stage tensors on the
+    device (CUDA IPC; tests/runtime/test_ipc.py counts them)."""
     entry = get("skip_one")
     args, kwargs = entry.inputs()
     with pc.World(entry.num_stages, device="cuda") as world:

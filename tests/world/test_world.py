@@ -103,6 +103,7 @@ def test_properties_describe_the_placement(world: World) -> None:
     assert (props.gpus_shared, props.launcher) == (False, "spawn")
     assert (world.world_size, world.device) == (2, "cpu")
     assert repr(world) == "World(2, device='cpu', timeout=60, start_timeout=60)"
+    assert world.run(jobs.placement) == [props.devices] * 2  # every rank knows where its peers compute
 
 
 # --- faults: each is reported, then the next task on the same World passes ---
@@ -400,6 +401,7 @@ def test_cuda_world_computes_on_gpus_and_communicates(extra_ranks: int) -> None:
             ("gloo", True) if extra_ranks else ("nccl", False)
         )
         total = float(sum(2 * (r + 1) for r in range(n)))
+        assert gpus.run(jobs.placement) == [props.devices] * n  # whom each rank may pass tensors to on its GPU
         assert gpus.run(jobs.all_reduce_on_device) == [
             (props.devices[r], props.comm_devices[r], [total] * 3) for r in range(n)
         ]

@@ -203,12 +203,15 @@ class TorchRunner(EngineRunner):
 
     def check_world(self, job: Job, world: World) -> None:
         if world.properties.gpus_shared:
+            # gloo's send/recv hand a tensor's data pointer to its TCP transport as host memory (no CUDA
+            # staging, unlike its collectives), and torch's PipelineStage passes CUDA tensors as they are.
+            gpus = sorted(set(world.properties.devices))
             raise EngineError(
-                f"runner='torch' cannot run on {world!r}: its {world.world_size} ranks share "
-                f"{len(set(world.properties.devices))} GPU(s) and talk through gloo, and {ENGINE} sends CUDA "
-                "tensors straight to the process group, which gloo cannot read (every rank aborts). Fix: one GPU "
-                "per rank (NCCL), device='cpu', or runner='distributed' (pipecheck's runtime stages GPU tensors "
-                "through host memory).", engine=ENGINE)
+                f"runner='torch' needs one GPU per rank, and {world!r} runs {world.world_size} ranks on "
+                f"{len(gpus)} GPU(s) ({', '.join(gpus)}): ranks that share a GPU talk through gloo, whose "
+                f"point-to-point send/recv cannot carry the CUDA tensors {ENGINE} hands it (every rank aborts). "
+                "Fix: runner='distributed', which passes tensors between ranks on one GPU on the device (CUDA "
+                f"IPC); or as many GPUs as ranks ({world.world_size}, NCCL); or device='cpu'.", engine=ENGINE)
 
     def world_failed(self, err: WorldError, job: Job, plan: Any) -> EngineError | AdapterError:
         return engine_error(err, job)
