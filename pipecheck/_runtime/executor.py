@@ -8,8 +8,8 @@ the meta device, cut along the driver's traced graph (the spec's recipe; no
 trace on the rank), its own stages made real with the driver's values (the
 spec's state file: pipecheck._split.stage_build); where that cannot be done
 safely, it builds the whole model from the spec's seeded factory, as before.
-It then runs its list of actions: a forward receives the stage's inputs from whichever ranks produce
-them (a skip connection comes straight from its producer), runs the stage and
+It then runs its list of actions: a forward receives the stage's inputs from
+whichever ranks produce them (a skip connection comes straight from its producer), runs the stage and
 sends each output to every consumer; a backward receives its outputs'
 gradients from every consumer, sums them in descending consumer order (as the
 reference does), and sends its inputs' gradients straight back to their

@@ -81,7 +81,7 @@ def write_stage_state(pipe: Pipe, folder: str) -> str | None:
     path = os.path.join(folder, f"{STATE_PREFIX}{uuid.uuid4().hex}.pt")
     try:
         torch.save(state, path)
-    except OSError:  # a full disk: the ranks build the whole model, as they did before
+    except (OSError, RuntimeError):  # a full disk (torch's zip writer raises RuntimeError): built whole, as before
         remove_stage_state(path)
         return None
     except BaseException:

@@ -242,3 +242,8 @@ def test_a_model_that_cannot_be_built_alone_is_refused_here(tmp_path, factory):
 def test_a_driver_whose_split_holds_a_lazy_parameter_writes_no_file(tmp_path):
     pipe = pc.split(make_lazy(), (torch.zeros(2, models.D),))
     assert write_stage_state(pipe, str(tmp_path)) is None and not list(tmp_path.iterdir())
+
+
+def test_a_file_that_cannot_be_written_leaves_the_ranks_building_whole(tmp_path):
+    pipe = pc.split(models.make_four_stages(), (_x(models.make_four_stages),))
+    assert write_stage_state(pipe, str(tmp_path / "gone")) is None  # a folder removed (its World stopped), a full disk

@@ -5,7 +5,10 @@
 
 The driver plans the step (the schedule, validated against the split's
 dependencies), sends every rank the same small :class:`StepSpec`, and merges
-the ranks' results into one :class:`StepResult` keyed by original FQNs.
+the ranks' results into one :class:`StepResult` keyed by original FQNs. Its
+split's tensors go to the ranks in one file in the World's folder, written once
+a job and removed after it: each rank builds only its own stages and reads only
+their values (pipecheck._split.stage_build).
 """
 
 from __future__ import annotations
