@@ -15,7 +15,7 @@ Built-in runners by name (one table: :mod:`pipecheck._runners.registry`): "refer
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,8 @@ from pipecheck._runners.job import Job
 from pipecheck._runtime.boundaries import recording
 from pipecheck._runtime.reference import DetachExecutor
 from pipecheck._split.model_factory import ModelFactory
-from pipecheck._split.pipe import TiedGroup
+from pipecheck._split.pipe import Pipe, TiedGroup
+from pipecheck._split.stage_build import builds_alone, remove_stage_state, write_stage_state
 from pipecheck._world.world import World, pickle_problem
 from pipecheck.errors import (
     AdapterError,
@@ -93,6 +94,20 @@ def run_on_world(world: World, fn: Callable[..., Any], spec: Any, job: Job) -> l
         return world.run(fn, spec, timeout=job.timeout)
     except TaskPickleError as err:
         raise unpicklable_part(job) or err from err.__cause__
+
+
+@contextlib.contextmanager
+def stage_state_on(world: World, job: Job, pipe: Pipe, recipe: bytes | None) -> Iterator[str | None]:
+    """The path of a file in ``world``'s folder holding ``pipe``'s tensors, for ranks that build only their
+    own stages with the driver's values (pipecheck._split.stage_build), removed once the block ends, on a
+    failure or a timeout too; None where the ranks build the whole model anyway (no recipe to cut along,
+    a user's module, a torchrun World, a full disk)."""
+    folder = world.folder() if recipe is not None and builds_alone(job.model) else None
+    path = write_stage_state(pipe, folder) if folder is not None else None
+    try:
+        yield path
+    finally:
+        remove_stage_state(path)
 
 
 def run_engine(world: World, fn: Callable[..., Any], spec: Any, job: Job,

@@ -20,7 +20,13 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecheck._core.result import StepResult
-from pipecheck._runners.base import merge_stage_grads, run_engine, run_reference, world_for
+from pipecheck._runners.base import (
+    merge_stage_grads,
+    run_engine,
+    run_reference,
+    stage_state_on,
+    world_for,
+)
 from pipecheck._runners.engine import EngineRunner
 from pipecheck._runners.job import Job
 from pipecheck._runtime.optimizer import StageOptimizer
@@ -126,7 +132,9 @@ def train_distributed(runner: EngineRunner, job: Job) -> list[StepResult]:
     if d > 1:
         check_replica_world(job, p, "a pipeline of " + plural(p, "rank"))
     world = world_for(dataclasses.replace(job, world_size=None) if d > 1 else job, d * p, runner.label)
-    reports, ran = run_training(runner, world, job, rank_train, spec, step)
+    with stage_state_on(world, job, pipe, step.recipe) as state:  # ranks build their own stages, with these values
+        spec = dataclasses.replace(spec, step=dataclasses.replace(spec.step, state=state))
+        reports, ran = run_training(runner, world, job, rank_train, spec, step)
     g = job.training.accumulation_steps
     results = [merge_step(pipe, [r.steps[t] for r in reports], job, weights[t * g:(t + 1) * g])
                for t in range(job.training.steps)]

@@ -3,11 +3,13 @@
     results = world.run(rank_step, StepSpec(...))     # every rank: split, run its actions
     results[r].stage_grads[stage][fqn], results[r].outputs[mb], results[r].events
 
-Each rank builds the model itself (deterministically, from the spec's seeded
-factory), cuts it along the driver's traced graph (the spec's recipe; no trace
-on the rank), keeps the stages the schedule gives it, and runs its list of
-actions: a forward receives the stage's inputs from whichever ranks produce
-them (a skip connection comes straight from its producer), runs the stage and
+Each rank builds the stages the schedule gives it: the model's structure on
+the meta device, cut along the driver's traced graph (the spec's recipe; no
+trace on the rank), its own stages made real with the driver's values (the
+spec's state file: pipecheck._split.stage_build); where that cannot be done
+safely, it builds the whole model from the spec's seeded factory, as before.
+It then runs its list of actions: a forward receives the stage's inputs from
+whichever ranks produce them (a skip connection comes straight from its producer), runs the stage and
 sends each output to every consumer; a backward receives its outputs'
 gradients from every consumer, sums them in descending consumer order (as the
 reference does), and sends its inputs' gradients straight back to their
@@ -53,6 +55,7 @@ from pipecheck._runtime.timeline import Event
 from pipecheck._split.inputs import cast_inputs
 from pipecheck._split.microbatch import shard_batch, split_microbatches
 from pipecheck._split.pipe import Pipe, Stage, split_on
+from pipecheck._split.stage_build import split_own_stages
 from pipecheck._world.worker import RankContext
 from pipecheck.losses import MicrobatchLoss, Reduction
 from pipecheck.policies import Policy
@@ -76,10 +79,18 @@ class StepSpec:
     reduction: Reduction | None = None  # how micro-batch losses add up (None: their mean)
     recipe: bytes | None = None  # the driver's split (pipe.recipe.dumps()): ranks cut along it, no trace
     precision: Precision = PLAIN  # forwards under its autocast, gradients summed in its grad_accumulation
+    # The driver's file of its split's tensors (pipecheck._split.stage_build), in the World's folder: a rank
+    # builds only its own stages, with these values. None: every rank builds the whole model.
+    state: str | None = None
 
-    def split_on(self, device: torch.device) -> Pipe:
+    def split_on(self, device: torch.device, stages: frozenset[int] | None = None) -> Pipe:
         """This rank's split of the model, built on ``device``: the driver's graph, traced again only
-        where there is no recipe or it names another device."""
+        where there is no recipe or it names another device. Given the rank's ``stages`` and the
+        driver's ``state``, only those stages are built (the others stay on meta), where that is safe."""
+        if stages is not None and self.state is not None and self.recipe is not None:
+            pipe = split_own_stages(device, self.model, self.recipe, self.args, self.kwargs, stages, self.state)
+            if pipe is not None:
+                return pipe
         return split_on(device, self.model, self.args, self.kwargs, split_spec=self.split_spec,
                         policy=self.policy, tracer=self.tracer, recipe=self.recipe)
 
@@ -138,11 +149,12 @@ class StageExecutor:
         self.rank = ctx.rank
         self.replica = replica or Replica()
         self.schedule = spec.schedule
-        self.pipe = spec.split_on(ctx.device)
+        self.stage_to_rank = tuple(rank + self.replica.first_rank for rank in spec.schedule.stage_to_rank)
+        # Only this rank's stages are built where the driver sent its tensors; the others stay on meta.
+        self.pipe = spec.split_on(ctx.device, frozenset(s for s, r in enumerate(self.stage_to_rank) if r == self.rank))
         self.recorder = Boundaries() if spec.record else None
         if self.recorder is not None:
             instrument(self.pipe, self.recorder)
-        self.stage_to_rank = tuple(rank + self.replica.first_rank for rank in spec.schedule.stage_to_rank)
         self.links = Links(self.pipe, self.stage_to_rank, ctx.device, ctx.comm_device, ctx.secret,
                            sharing_for(ctx))
         self.n_microbatches = spec.schedule.n_microbatches

@@ -322,6 +322,18 @@ class World:
             return (os.getpid(),)
         return self._ranks.pids
 
+    def folder(self) -> str | None:
+        """A folder of this World's own that its driver and ranks both read (removed with it): where the
+        driver puts a file every rank reads, rather than pickling it to each. The ranks start first if they
+        have not. None under torchrun, whose ranks may be on other machines."""
+        if isinstance(self._ranks, _TorchrunRank):
+            return None
+        self._ensure_open()
+        with self._lock:
+            if not self._ranks.started:
+                self._ranks.start()
+            return self._ranks.tmpdir
+
     def __repr__(self) -> str:
         if self.properties.launcher == "torchrun":
             return f"World.from_env(device={self.device!r}, timeout={self.timeout})"

@@ -5,11 +5,15 @@
 
 The driver plans the step (the schedule, validated against the split's
 dependencies), sends every rank the same small :class:`StepSpec`, and merges
-the ranks' results into one :class:`StepResult` keyed by original FQNs.
+the ranks' results into one :class:`StepResult` keyed by original FQNs. Its
+split's tensors go to the ranks in one file in the World's folder, written once
+a job and removed after it: each rank builds only its own stages and reads only
+their values (pipecheck._split.stage_build).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from pipecheck._core.result import StepResult
 from pipecheck._runners.arguments import check_arguments, plain
-from pipecheck._runners.base import run_on_world
+from pipecheck._runners.base import run_on_world, stage_state_on
 from pipecheck._runners.engine import EngineRunner, merge_reports
 from pipecheck._runners.job import Job
 from pipecheck._runners.training import train_distributed
@@ -95,7 +99,9 @@ class DistributedRunner(EngineRunner):
         return plan.schedule.n_ranks
 
     def run(self, world: World, plan: StepSpec, job: Job) -> list[Any]:
-        return run_on_world(world, rank_step, plan, job)  # pipecheck's own ranks: their errors as the World raises them
+        with stage_state_on(world, job, job.structure(), plan.recipe) as state:  # ranks build their own stages
+            # pipecheck's own ranks: their errors as the World raises them
+            return run_on_world(world, rank_step, dataclasses.replace(plan, state=state), job)
 
     def train(self, job: Job) -> list[StepResult]:
         """Several optimizer steps, each rank keeping its stages and optimizer (pipecheck._runners.training)."""
