@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 
 import pipecheck as pc
+
 # private: the eager step's internals (its micro-batch sums), the check's placement, the input binding and the
 # reference runner's function are under test or reused by a planted-bug runner
 import pipecheck._check.placement as placement
