@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -32,6 +29,7 @@ import pipecheck as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import machine, write_section  # noqa: E402
+from bench_check import _peak, _timed  # noqa: E402
 
 HEADING = "Real size on one GPU (Llama 0.87B)"
 MICROBATCHES = 4
@@ -45,34 +43,6 @@ def llama(small: bool) -> torch.nn.Module:
                                                    num_attention_heads=16, vocab_size=32000)
     config = LlamaConfig(**size, max_position_embeddings=512, tie_word_embeddings=True, use_cache=False)
     return LlamaForCausalLM(config)
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(fn: Any, device: str) -> float:
-    gc.collect()
-    _sync(device)
-    started = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - started
-
-
-def _peak(fn: Any, device: str) -> int:
-    """Peak allocated device memory while ``fn`` runs, above what was allocated before (0 on the CPU)."""
-    if device != "cuda":
-        fn()
-        return 0
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def eager_step(model: torch.nn.Module, ids: torch.Tensor) -> None:

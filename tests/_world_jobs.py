@@ -202,3 +202,16 @@ def cuda_memory(ctx: RankContext) -> int:
 def placement(ctx: RankContext) -> tuple[str, ...]:
     """Every rank's compute device, as this rank knows it (whom it may pass tensors to on a GPU)."""
     return ctx.devices
+
+
+class Planted:
+    """Unpickling this sets a flag: what a forged message could do to a rank if it were unpickled."""
+
+    ran = False
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_plant, ())
+
+
+def _plant() -> None:
+    Planted.ran = True

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from _training_models import adamw, make_tied_lm, token_ce, tokens
+from _world_jobs import Planted
 from pipecheck.fixtures import get
 
 import pipecheck as pc
@@ -110,17 +111,6 @@ def test_ranks_pass_tensors_by_ipc_exactly_to_the_ranks_on_their_gpu(ctx: RankCo
 
 # --- the frame: authenticated before it is unpickled or opened -------------------------------------
 
-class _Planted:
-    ran = False
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_plant, ())
-
-
-def _plant() -> None:
-    _Planted.ran = True
-
-
 def _links(key: bytes, folder: Path) -> Links:
     pipe = pc.split(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), (torch.randn(2, 4),), split_spec=TWO_LAYERS)
     return Links(pipe, (0, 1), CPU, CPU, key, ipc.Sharing(ipc.FileTransport(str(folder)), frozenset({0, 1})))
@@ -137,7 +127,7 @@ def test_a_shared_tensor_s_frame_is_authenticated_before_it_is_unpickled(tmp_pat
     frame = sender._shared_frame(value, tag)
     assert frame.numel() == SHARE_BYTES
     assert torch.equal(receiver._opened(_slot(frame, receiver, tag)), value)
-    blob = pickle.dumps(_Planted())
+    blob = pickle.dumps(Planted())
     planted = bytes(32) + len(blob).to_bytes(8, "little") + blob
     forged = [torch.frombuffer(bytearray(planted.ljust(SHARE_BYTES, b"\0")), dtype=torch.uint8),
               _links(b"another key", tmp_path)._shared_frame(value, tag),
@@ -145,7 +135,7 @@ def test_a_shared_tensor_s_frame_is_authenticated_before_it_is_unpickled(tmp_pat
     for frame in forged:
         with pytest.raises(pc.EngineError, match="shared tensor .* failed authentication"):
             receiver._opened(_slot(frame, receiver, tag))
-    assert not _Planted.ran
+    assert not Planted.ran
 
 
 def test_a_shared_tensor_unlike_its_layout_is_an_error_not_a_wrong_value(tmp_path: Path) -> None:

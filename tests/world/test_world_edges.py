@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from _world_jobs import Planted
 
 import pipecheck as pc
 
@@ -133,19 +134,6 @@ def test_a_zombie_driver_is_dead() -> None:
     assert process_gone(2**40)  # no such pid: never an OverflowError
 
 
-class _Planted:
-    """Unpickling this sets a flag: what a forged layout could do to a rank if it were unpickled."""
-
-    ran = False
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_plant, ())
-
-
-def _plant() -> None:
-    _Planted.ran = True
-
-
 def _links(secret: bytes) -> Links:
     pipe = pc.split(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), (torch.randn(2, 4),),
                     split_spec={"1": pc.SplitPoint.BEGINNING})
@@ -156,12 +144,12 @@ def test_a_layout_without_the_world_s_tag_is_refused_before_it_is_unpickled() ->
     receiver = _links(b"k" * 32)
     channel = next(iter(receiver.channel_ids))
     tag = 1
-    for forged in (b"\0" * 32 + pickle.dumps(_Planted()), _links(b"other key").signed(pickle.dumps(_Planted()), tag),
-                   _links(b"k" * 32).signed(pickle.dumps(_Planted()), tag + 64),  # another message's tag
+    for forged in (b"\0" * 32 + pickle.dumps(Planted()), _links(b"other key").signed(pickle.dumps(Planted()), tag),
+                   _links(b"k" * 32).signed(pickle.dumps(Planted()), tag + 64),  # another message's tag
                    b"garbage"):
         with pytest.raises(pc.EngineError, match="failed authentication: it was not sent by a rank of this World"):
             receiver.verified(forged, channel, 0, tag)
-    assert not _Planted.ran
+    assert not Planted.ran
     layout = pickle.dumps(layout_of(torch.zeros(2, 4)))
     assert receiver.verified(_links(b"k" * 32).signed(layout, tag), channel, 0, tag) == layout
 
