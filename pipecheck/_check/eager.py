@@ -74,10 +74,11 @@ def eager_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, n_micro
         loss_fn, target = projection_loss, projection_target(merged)
     loss_of = MicrobatchLoss(loss_fn, target, n_microbatches)
     losses = []
-    for mb, out in enumerate(outputs):
+    for mb in range(len(outputs)):
         with precision.forward(device):
             with LossDraws():
-                losses.append(loss_of(mb, out))
+                losses.append(loss_of(mb, outputs[mb]))
+    outputs.clear()  # the merged copy is the result: the graph's own outputs go before its backward
     loss = torch.stack(losses).mean()
     grads: dict[str, torch.Tensor] = {}
     input_grads: dict[str, torch.Tensor] = {}
