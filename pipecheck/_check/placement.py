@@ -20,6 +20,7 @@ row's tensors are back on it at once.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,23 +39,17 @@ STEPS_TO_COME = 2.5
 
 
 def on_host(value: R) -> R:
-    """``value`` with every tensor in it (a StepResult's fields too) copied to the host; the rest as it is."""
+    """``value`` with every tensor in it copied to the host (a StepResult: a new one, every field's tensors
+    moved, a Truth's error estimate too; the runner's own object is left as it was); the rest as it is."""
     if isinstance(value, StepResult):
-        fields = {name: on_host(getattr(value, name)) for name in ("outputs", "loss", "grads", "input_grads",
-                                                                    "buffers")}
-        for name, moved in fields.items():
-            setattr(value, name, moved)
-        for extra in ("error",):  # a Truth's own error estimate, a StepResult too
-            inner = getattr(value, extra, None)
-            if isinstance(inner, StepResult):
-                on_host(inner)
-        return value
+        moved = {f.name: on_host(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **moved)
     return pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
 
 
 def result_bytes(result: StepResult) -> int:
     """The bytes a result's tensors hold on an accelerator."""
-    leaves = pytree.tree_leaves((result.outputs, result.loss, result.grads, result.input_grads, result.buffers))
+    leaves = pytree.tree_leaves([getattr(result, f.name) for f in dataclasses.fields(result)])
     return sum(leaf.nbytes for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu")
 
 

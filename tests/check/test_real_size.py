@@ -177,10 +177,16 @@ def _nothing() -> Any:
     return contextlib.nullcontext()
 
 
-def test_on_host_moves_every_tensor_of_a_result() -> None:
+def test_on_host_gives_a_new_result_with_every_tensor_on_the_host() -> None:
+    """Every field's tensors (a reference runner's stage shares and replicas too) in a new result: the runner's
+    own object is not changed."""
     result = pc.StepResult(outputs={"y": [torch.ones(2)]}, loss=torch.tensor(1.0), grads={"w": torch.ones(3)},
-                           input_grads={}, buffers={"b": torch.zeros(1)})
-    assert on_host(result) is result and all(t.device.type == "cpu" for t in _tensors_reachable(result))
+                           input_grads={}, buffers={"b": torch.zeros(1)}, stage_grads=[{"w": torch.ones(3)}],
+                           replica_grads={"w": {0: torch.ones(3)}})
+    moved = on_host(result)
+    assert moved is not result and moved.stage_grads is not result.stage_grads
+    assert len(_tensors_reachable(moved)) == len(_tensors_reachable(result)) == 6
+    assert all(t.device.type == "cpu" for t in _tensors_reachable(moved))
 
 
 @pytest.mark.gpu(n=1)
