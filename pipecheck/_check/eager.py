@@ -124,24 +124,15 @@ def _step_into_grad(model: nn.Module, bound: inspect.BoundArguments, calls: list
     in the same order (micro-batch 0 first), so the same values."""
     wrt = [p for _, p in params] + [t for _, t in named_inputs]
     saved = [tensor.grad for tensor in wrt]
-    n = len(calls)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     outputs, losses = [], []
     try:
         for tensor in wrt:
             tensor.grad = None
             if not tensor.is_leaf:
                 tensor.retain_grad()
-        for mb, call in enumerate(calls):
-            with precision.forward(device):
-                out = _call(model, call, n, whole=bound)
-                with LossDraws():
-                    loss = loss_of(mb, out)
-            if wrt and loss.requires_grad:
-                _backward(loss / n, wrt)
-            outputs.append(_detached(out))
-            losses.append(loss.detach())
-            del out, loss
+        for out, loss, _ in _each_microbatch(model, bound, calls, loss_of, precision, into_grad=True):
+            outputs.append(out)
+            losses.append(loss)
         grads, input_grads = _by_name(params, named_inputs, [tensor.grad for tensor in wrt])
     finally:
         for tensor, grad in zip(wrt, saved):
@@ -170,11 +161,11 @@ def microbatch_shares(model: nn.Module, inputs: Inputs, loss_fn: LossFn, target:
 
 
 def _each_microbatch(model: nn.Module, bound: inspect.BoundArguments, calls: list[inspect.BoundArguments],
-                     loss_of: MicrobatchLoss, precision: Precision = PLAIN
+                     loss_of: MicrobatchLoss, precision: Precision = PLAIN, into_grad: bool = False
                      ) -> Iterator[tuple[Any, torch.Tensor, Sequence[torch.Tensor | None]]]:
     """Per micro-batch, its forward (under ``precision``'s autocast) and backward of its loss / n:
     (outputs, loss, gradients in :func:`_differentiable`'s order), one micro-batch's activations alive
-    at a time."""
+    at a time. ``into_grad``: the gradients are added into the tensors' ``.grad`` instead (none yielded)."""
     n = len(calls)
     params, named_inputs = _differentiable(model, bound)
     wrt = [p for _, p in params] + [t for _, t in named_inputs]
@@ -184,8 +175,12 @@ def _each_microbatch(model: nn.Module, bound: inspect.BoundArguments, calls: lis
             out = _call(model, call, n, whole=bound)
             with LossDraws():
                 loss = loss_of(mb, out)
-        got: Sequence[torch.Tensor | None] = (_gradients(model, loss / n, wrt) if wrt and loss.requires_grad
-                                              else [None] * len(wrt))
+        got: Sequence[torch.Tensor | None] = [None] * len(wrt)
+        if wrt and loss.requires_grad:
+            if into_grad:
+                _backward(loss / n, wrt)
+            else:
+                got = _gradients(model, loss / n, wrt)
         yield _detached(out), loss.detach(), got
         del out, loss
 
@@ -229,7 +224,7 @@ def _backward(loss: torch.Tensor, wrt: list[torch.Tensor]) -> None:
     """``loss``'s gradient added into the ``.grad`` of each of ``wrt``; a failure as :func:`_gradients` says it."""
     try:
         with torch_internal_warnings_ignored():
-            if _reentrant_checkpoint_in(loss):  # refuses inputs=; every leaf it reaches is one of ``wrt``'s kind
+            if _reentrant_checkpoint_in(loss):  # it refuses inputs=: the whole backward, as _gradients_by_backward
                 loss.backward()
             else:
                 torch.autograd.backward(loss, inputs=wrt)
